@@ -1,0 +1,5 @@
+"""Lightning callbacks usable in any project."""
+
+from lightning_parallel.callbacks.run_summary import RunSummary
+
+__all__ = ["RunSummary"]

@@ -1,0 +1,45 @@
+"""Shared test fixtures: compose the project's Hydra config the way train.py does, without a CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+# Tests spawn several processes on a 2-core machine: one thread each keeps them from thrashing.
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def compose_cfg(tmp_path: Path) -> Callable[..., DictConfig]:
+    """Compose `conf/train.yaml` with overrides; outputs go to the test's tmp_path."""
+
+    def _compose(*overrides: str) -> DictConfig:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return compose("train", overrides=[f"paths.output_dir={tmp_path}", *overrides])
+
+    return _compose
+
+
+def run_cli(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Run train.py as a user would, in a scratch working directory."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
