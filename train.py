@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from lightning_parallel.callbacks import RunSummary
 from lightning_parallel.tasks import ClassificationTask, LanguageModelTask, Task
@@ -41,9 +41,7 @@ def check_config(cfg: DictConfig) -> None:
     """Reject configurations that cannot work, before anything is built or launched."""
     devices = cfg.trainer.devices
     if isinstance(devices, int) and devices < 1 and devices != -1:
-        raise ConfigError(
-            f"trainer.devices={devices}: a run needs at least one device. HINT: trainer.devices=1"
-        )
+        raise ConfigError(f"trainer.devices={devices}: a run needs at least one device. HINT: trainer.devices=1")
     model_kind = get_class(cfg.model._target_).input_kind
     data_kind = get_class(cfg.data._target_).kind
     if model_kind != data_kind:
@@ -85,9 +83,7 @@ def build_strategy(cfg: DictConfig) -> Any:
 def build_trainer(cfg: DictConfig, summary: RunSummary) -> pl.Trainer:
     callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None]
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
-    return instantiate(
-        cfg.trainer, strategy=build_strategy(cfg), callbacks=[*callbacks, summary], logger=logger
-    )
+    return instantiate(cfg.trainer, strategy=build_strategy(cfg), callbacks=[*callbacks, summary], logger=logger)
 
 
 def root_message(error: BaseException) -> str:
@@ -109,6 +105,9 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, Task, pl.LightningDataModule, Ru
         trainer = build_trainer(cfg, summary)
     except ConfigError:
         raise
+    except MissingMandatoryValue as error:
+        key = error.full_key
+        raise ConfigError(f"{key} has no value. HINT: set it on the command line, e.g. {key}=...") from error
     except (ValueError, FileNotFoundError, InstantiationException, OmegaConfBaseException) as error:
         raise ConfigError(root_message(error)) from error
     except pl.utilities.exceptions.MisconfigurationException as error:

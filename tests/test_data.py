@@ -54,9 +54,7 @@ def test_digits_split_does_not_depend_on_seed():
     xb, yb = all_val(b)
     assert torch.equal(xa, xb) and torch.equal(ya, yb)
     # The seed moves only the shuffle order, and the same seed repeats it exactly.
-    assert torch.equal(
-        first_batch(a.train_dataloader())[1], first_batch(DigitsDataModule().train_dataloader())[1]
-    )
+    assert torch.equal(first_batch(a.train_dataloader())[1], first_batch(DigitsDataModule().train_dataloader())[1])
     assert not torch.equal(first_batch(a.train_dataloader())[1], first_batch(b.train_dataloader())[1])
 
 
@@ -136,9 +134,7 @@ def test_synthetic_images_errors():
 @pytest.mark.parametrize("seq_len", [8, 9])
 def test_synthetic_tokens_copy_and_reverse_structure(seq_len):
     for task in ("copy", "reverse"):
-        dm = SyntheticTokensDataModule(
-            task=task, vocab_size=11, seq_len=seq_len, num_samples=40, batch_size=4
-        )
+        dm = SyntheticTokensDataModule(task=task, vocab_size=11, seq_len=seq_len, num_samples=40, batch_size=4)
         assert dm.kind == "tokens"
         assert dm.model_hints == {"vocab_size": 11, "context_length": seq_len}
         assert dm.num_train_samples == 36
@@ -209,18 +205,14 @@ def test_text_shuffle_deterministic(tmp_path):
     path = str(write(tmp_path, "the quick brown fox jumps over the lazy dog. " * 40))
 
     def batch(seed):
-        return first_batch(TextDataModule(path=path, seq_len=8, batch_size=4, seed=seed).train_dataloader())[
-            0
-        ]
+        return first_batch(TextDataModule(path=path, seq_len=8, batch_size=4, seed=seed).train_dataloader())[0]
 
     assert torch.equal(batch(3), batch(3))
 
 
 def test_text_errors(tmp_path):
     missing = tmp_path / "missing.txt"
-    with pytest.raises(
-        FileNotFoundError, match=rf"data.path={missing} does not exist. HINT: data.path=/path/to"
-    ):
+    with pytest.raises(FileNotFoundError, match=rf"data.path={missing} does not exist. HINT: data.path=/path/to"):
         TextDataModule(path=str(missing))
     with pytest.raises(FileNotFoundError, match=r"is a directory, not a file"):
         TextDataModule(path=str(tmp_path))
@@ -229,11 +221,9 @@ def test_text_errors(tmp_path):
     with pytest.raises(ValueError, match=r"is not UTF-8 text \(invalid byte 0xff at offset 3\)"):
         TextDataModule(path=str(write(tmp_path, b"abc\xffdef")))
     short = str(write(tmp_path, "x" * 100))
-    with pytest.raises(
-        ValueError, match=r"has 100 characters, .* needs at least 1290. HINT: use data.seq_len<=9"
-    ):
+    with pytest.raises(ValueError, match=r"has 100 characters, .* needs at least 1290. HINT: use data.seq_len<=9"):
         TextDataModule(path=short, seq_len=128)
-    with pytest.raises(ValueError, match=r"data.batch_size=50 exceeds the 18 training windows"):
+    with pytest.raises(ValueError, match=r"data.batch_size=50 exceeds the 18 training samples of"):
         TextDataModule(path=short, seq_len=4, batch_size=50)
 
 

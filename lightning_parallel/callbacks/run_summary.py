@@ -63,7 +63,7 @@ class RunSummary(pl.Callback):
                 self._record(trainer, name)
         metrics = getattr(pl_module, "val_metrics", None)
         for name, metric in metrics.items() if metrics is not None else []:
-            self.higher_is_better[f"val/{name}"] = bool(metric.higher_is_better)
+            self.higher_is_better[name] = bool(metric.higher_is_better)  # names carry the "val/" prefix
 
     def _record(self, trainer: pl.Trainer, name: str) -> None:
         value = trainer.callback_metrics.get(name)
@@ -76,9 +76,7 @@ class RunSummary(pl.Callback):
         strategy = trainer.strategy
         # Ranks of one data-parallel replica see the same batch; count each sample once.
         replicas = (getattr(strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1)
-        local = torch.tensor(
-            [self._local_samples, peak_memory_bytes(strategy.root_device)], dtype=torch.int64
-        )
+        local = torch.tensor([self._local_samples, peak_memory_bytes(strategy.root_device)], dtype=torch.int64)
         gathered = strategy.all_gather(local.to(strategy.root_device)).cpu().reshape(-1, 2)
         samples = int(gathered[:, 0].sum()) * replicas // max(trainer.world_size, 1)
         step_seconds = float(

@@ -7,9 +7,9 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, TensorDataset
-from typing_extensions import override
+from torch.utils.data import TensorDataset
+
+from lightning_parallel.data.base import SplitDataModule, check_batch_size, check_fraction
 
 _NUM_DIGITS = 1797  # known up front so that sizes can be validated before anything is loaded
 _NUM_CLASSES = 10
@@ -19,7 +19,7 @@ _MAX_PIXEL = 16.0  # load_digits stores pixel intensities as 0..16
 _SPLIT_SEED = 0
 
 
-class DigitsDataModule(LightningDataModule):
+class DigitsDataModule(SplitDataModule):
     """The 8x8 digits, one channel, standardised with the training mean and standard deviation.
 
     Args:
@@ -28,7 +28,7 @@ class DigitsDataModule(LightningDataModule):
         image_size: Side length of the images; values above 8 upscale bilinearly once, at load time.
         shuffle: Shuffle the training set each epoch.
         num_workers: DataLoader worker processes.
-        seed: Seeds the single-process shuffle order only; the data and the split never depend on it.
+        seed: Seeds the shuffle order only; the data and the split never depend on it.
     """
 
     kind: ClassVar[str] = "image"
@@ -43,12 +43,8 @@ class DigitsDataModule(LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
-        super().__init__()
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(
-                f"data.val_fraction={val_fraction} must lie strictly between 0 and 1. "
-                "HINT: use data.val_fraction=0.2"
-            )
+        super().__init__(batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, seed=seed)
+        check_fraction(val_fraction, 0.2)
         num_train = int(_NUM_DIGITS * (1 - val_fraction))
         if num_train < 1 or num_train == _NUM_DIGITS:
             raise ValueError(
@@ -61,15 +57,8 @@ class DigitsDataModule(LightningDataModule):
                 f"data.image_size={image_size} is below the native {_NATIVE_SIZE}x{_NATIVE_SIZE} digits and "
                 f"only upscaling is supported. HINT: use data.image_size>={_NATIVE_SIZE}"
             )
-        if batch_size < 1:
-            raise ValueError(f"data.batch_size={batch_size} must be at least 1. HINT: use data.batch_size>=1")
-        if batch_size > num_train:
-            raise ValueError(
-                f"data.batch_size={batch_size} exceeds the {num_train} training samples of digits. "
-                f"HINT: use data.batch_size<={num_train}"
-            )
-        self.batch_size, self.val_fraction, self.image_size = batch_size, val_fraction, image_size
-        self.shuffle, self.num_workers, self.seed = shuffle, num_workers, seed
+        check_batch_size(batch_size, num_train, "digits")
+        self.val_fraction, self.image_size = val_fraction, image_size
         self._num_train = num_train
         self._splits: tuple[TensorDataset, TensorDataset] | None = None
 
@@ -83,7 +72,7 @@ class DigitsDataModule(LightningDataModule):
         """Number of training images (before any distributed sharding), known without loading."""
         return self._num_train
 
-    def _load(self) -> tuple[TensorDataset, TensorDataset]:
+    def splits(self) -> tuple[TensorDataset, TensorDataset]:
         if self._splits is not None:
             return self._splits
         # Deferred: importing scikit-learn takes about a second that construction should not pay.
@@ -110,34 +99,3 @@ class DigitsDataModule(LightningDataModule):
             TensorDataset(images[val_index], labels[val_index]),
         )
         return self._splits
-
-    @override
-    def setup(self, stage: str) -> None:
-        self._load()
-
-    def _loader(self, dataset: TensorDataset, shuffle: bool) -> DataLoader:
-        # A seeded generator makes single-process shuffling repeatable; DDP swaps in its own sampler.
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            generator=generator,
-        )
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self._load()[0], self.shuffle)
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self._load()[1], False)
-
-    @override
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self._load()[1], False)
-
-    @override
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader(self._load()[1], False)

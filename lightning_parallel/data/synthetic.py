@@ -8,10 +8,10 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningDataModule
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
-from typing_extensions import override
+from torch.utils.data import Dataset
+
+from lightning_parallel.data.base import SplitDataModule, check_batch_size, check_fraction
 
 TASKS = ("copy", "reverse")
 
@@ -30,11 +30,7 @@ def _require_at_least(name: str, value: int, minimum: int) -> None:
 
 
 def _split_sizes(num_samples: int, val_fraction: float) -> tuple[int, int]:
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(
-            f"data.val_fraction={val_fraction} must lie strictly between 0 and 1. "
-            "HINT: use data.val_fraction=0.1"
-        )
+    check_fraction(val_fraction, 0.1)
     num_train = int(num_samples * (1 - val_fraction))
     if num_train < 1 or num_train == num_samples:
         raise ValueError(
@@ -44,29 +40,10 @@ def _split_sizes(num_samples: int, val_fraction: float) -> tuple[int, int]:
     return num_train, num_samples - num_train
 
 
-def _check_batch_size(batch_size: int, num_train: int, what: str) -> None:
-    _require_at_least("batch_size", batch_size, 1)
-    if batch_size > num_train:
-        raise ValueError(
-            f"data.batch_size={batch_size} exceeds the {num_train} training samples of {what}. "
-            f"HINT: use data.batch_size<={num_train} or raise data.num_samples"
-        )
-
-
-def _loader(dataset: Dataset, *, batch_size: int, shuffle: bool, num_workers: int, seed: int) -> DataLoader:
-    # A seeded generator makes single-process shuffling repeatable; DDP swaps in its own sampler.
-    generator = torch.Generator().manual_seed(seed) if shuffle else None
-    return DataLoader(
-        dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, generator=generator
-    )
-
-
 class _ImageSamples(Dataset[tuple[Tensor, Tensor]]):
     """Samples `start .. start + length - 1` of the image stream: class template + unit Gaussian noise."""
 
-    def __init__(
-        self, *, seed: int, start: int, length: int, channels: int, image_size: int, num_classes: int
-    ) -> None:
+    def __init__(self, *, seed: int, start: int, length: int, channels: int, image_size: int, num_classes: int) -> None:
         self.seed, self.start, self.length = seed, start, length
         self.channels, self.image_size, self.num_classes = channels, image_size, num_classes
         self._templates: Tensor | None = None
@@ -96,9 +73,7 @@ class _ImageSamples(Dataset[tuple[Tensor, Tensor]]):
 class _TokenSamples(Dataset[tuple[Tensor, Tensor]]):
     """Samples `start .. start + length - 1` of the token stream: a random prefix, then its copy/reversal."""
 
-    def __init__(
-        self, *, seed: int, start: int, length: int, task: str, vocab_size: int, seq_len: int
-    ) -> None:
+    def __init__(self, *, seed: int, start: int, length: int, task: str, vocab_size: int, seq_len: int) -> None:
         self.seed, self.start, self.length = seed, start, length
         self.task, self.vocab_size, self.seq_len = task, vocab_size, seq_len
 
@@ -116,7 +91,7 @@ class _TokenSamples(Dataset[tuple[Tensor, Tensor]]):
         return sequence[:-1], sequence[1:]
 
 
-class SyntheticImagesDataModule(LightningDataModule):
+class SyntheticImagesDataModule(SplitDataModule):
     """Random labelled images, weakly learnable: each class adds a fixed smooth template to Gaussian noise.
 
     Train samples are indices `0 .. num_train - 1` of the stream, val (and test, and predict) the rest.
@@ -137,13 +112,12 @@ class SyntheticImagesDataModule(LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
-        super().__init__()
+        super().__init__(batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, seed=seed)
         for name, value in (("channels", channels), ("image_size", image_size), ("num_classes", num_classes)):
             _require_at_least(name, value, 1)
         num_train, num_val = _split_sizes(num_samples, val_fraction)
-        _check_batch_size(batch_size, num_train, "synthetic images")
+        check_batch_size(batch_size, num_train, "synthetic images", " or raise data.num_samples")
         self.channels, self.image_size, self.num_classes = channels, image_size, num_classes
-        self.batch_size, self.shuffle, self.num_workers, self.seed = batch_size, shuffle, num_workers, seed
         self._train, self._val = (
             _ImageSamples(
                 seed=seed,
@@ -166,29 +140,11 @@ class SyntheticImagesDataModule(LightningDataModule):
         """Number of training samples (before any distributed sharding)."""
         return len(self._train)
 
-    def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
-        return _loader(
-            dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers, seed=self.seed
-        )
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self._train, self.shuffle)
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self._val, False)
-
-    @override
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self._val, False)
-
-    @override
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader(self._val, False)
+    def splits(self) -> tuple[Dataset, Dataset]:
+        return self._train, self._val
 
 
-class SyntheticTokensDataModule(LightningDataModule):
+class SyntheticTokensDataModule(SplitDataModule):
     """A learnable sequence task: a random prefix followed by its copy ("copy") or reversal ("reverse").
 
     The prefix is unpredictable, so the loss falls to about half of ln(vocab_size), not to zero.
@@ -209,19 +165,16 @@ class SyntheticTokensDataModule(LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
-        super().__init__()
+        super().__init__(batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, seed=seed)
         if task not in TASKS:
             raise ValueError(f"data.task={task!r} is unknown. HINT: use one of data.task={' | '.join(TASKS)}")
         _require_at_least("vocab_size", vocab_size, 2)
         _require_at_least("seq_len", seq_len, 2)
         num_train, num_val = _split_sizes(num_samples, val_fraction)
-        _check_batch_size(batch_size, num_train, f"synthetic {task} sequences")
+        check_batch_size(batch_size, num_train, f"synthetic {task} sequences", " or raise data.num_samples")
         self.task, self.vocab_size, self.seq_len = task, vocab_size, seq_len
-        self.batch_size, self.shuffle, self.num_workers, self.seed = batch_size, shuffle, num_workers, seed
         self._train, self._val = (
-            _TokenSamples(
-                seed=seed, start=start, length=length, task=task, vocab_size=vocab_size, seq_len=seq_len
-            )
+            _TokenSamples(seed=seed, start=start, length=length, task=task, vocab_size=vocab_size, seq_len=seq_len)
             for start, length in ((0, num_train), (num_train, num_val))
         )
 
@@ -235,23 +188,5 @@ class SyntheticTokensDataModule(LightningDataModule):
         """Number of training sequences (before any distributed sharding)."""
         return len(self._train)
 
-    def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
-        return _loader(
-            dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers, seed=self.seed
-        )
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self._train, self.shuffle)
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self._val, False)
-
-    @override
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self._val, False)
-
-    @override
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader(self._val, False)
+    def splits(self) -> tuple[Dataset, Dataset]:
+        return self._train, self._val

@@ -9,10 +9,10 @@ from typing import ClassVar
 
 import numpy as np
 import torch
-from lightning.pytorch import LightningDataModule
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
-from typing_extensions import override
+from torch.utils.data import Dataset
+
+from lightning_parallel.data.base import SplitDataModule, check_batch_size, check_fraction
 
 _PATH_HINT = "HINT: data.path=/path/to/file.txt"
 
@@ -36,9 +36,7 @@ def _read_text(path: Path) -> str:
             "HINT: convert it with `iconv -t UTF-8` or point data.path at a UTF-8 file"
         ) from None
     if not text:
-        raise ValueError(
-            f"data.path={path} is empty ({len(raw)} bytes). HINT: point data.path at a non-empty file"
-        )
+        raise ValueError(f"data.path={path} is empty ({len(raw)} bytes). HINT: point data.path at a non-empty file")
     return text
 
 
@@ -66,7 +64,7 @@ class _Windows(Dataset[tuple[Tensor, Tensor]]):
         return chunk[:-1], chunk[1:]
 
 
-class TextDataModule(LightningDataModule):
+class TextDataModule(SplitDataModule):
     """Characters of a UTF-8 file: the first `1 - val_fraction` of the text trains, the rest validates.
 
     Args:
@@ -76,7 +74,7 @@ class TextDataModule(LightningDataModule):
         val_fraction: Trailing fraction of the text held out for validation (also used for test and predict).
         shuffle: Shuffle the training windows each epoch.
         num_workers: DataLoader worker processes.
-        seed: Seeds the single-process shuffle order only.
+        seed: Seeds the shuffle order only.
     """
 
     kind: ClassVar[str] = "tokens"
@@ -92,16 +90,10 @@ class TextDataModule(LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
-        super().__init__()
+        super().__init__(batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, seed=seed)
         if seq_len < 1:
             raise ValueError(f"data.seq_len={seq_len} must be at least 1. HINT: use data.seq_len>=1")
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(
-                f"data.val_fraction={val_fraction} must lie strictly between 0 and 1. "
-                "HINT: use data.val_fraction=0.1"
-            )
-        if batch_size < 1:
-            raise ValueError(f"data.batch_size={batch_size} must be at least 1. HINT: use data.batch_size>=1")
+        check_fraction(val_fraction, 0.1)
         self.path = _resolve(path)
         text = _read_text(self.path)
         # Vectorised encoding: a Python loop over a large corpus would take minutes.
@@ -121,13 +113,13 @@ class TextDataModule(LightningDataModule):
                 f"needs at least {_min_chars(window, val_fraction)}. HINT: use {fix}"
             )
         self._train, self._val = _Windows(ids[:split], window), _Windows(ids[split:], window)
-        if batch_size > len(self._train):
-            raise ValueError(
-                f"data.batch_size={batch_size} exceeds the {len(self._train)} training windows of "
-                f"{self.path}. HINT: use data.batch_size<={len(self._train)} or a smaller data.seq_len"
-            )
+        check_batch_size(
+            batch_size,
+            len(self._train),
+            f"{self.path} (windows of data.seq_len+1 characters)",
+            " or a smaller data.seq_len",
+        )
         self.seq_len, self.val_fraction = seq_len, val_fraction
-        self.batch_size, self.shuffle, self.num_workers, self.seed = batch_size, shuffle, num_workers, seed
 
     @property
     def model_hints(self) -> dict[str, int]:
@@ -139,29 +131,5 @@ class TextDataModule(LightningDataModule):
         """Number of training windows (before any distributed sharding)."""
         return len(self._train)
 
-    def _loader(self, dataset: _Windows, shuffle: bool) -> DataLoader:
-        # A seeded generator makes single-process shuffling repeatable; DDP swaps in its own sampler.
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            generator=generator,
-        )
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self._train, self.shuffle)
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self._val, False)
-
-    @override
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self._val, False)
-
-    @override
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader(self._val, False)
+    def splits(self) -> tuple[Dataset, Dataset]:
+        return self._train, self._val

@@ -123,9 +123,7 @@ class ResNet(nn.Sequential):
             for index in range(count):
                 # Only the first block of stages 2-4 downsamples.
                 stride = 2 if stage > 1 and index == 0 else 1
-                self.add_module(
-                    f"layer{stage}_{index}", block(in_channels=channels_in, channels=width, stride=stride)
-                )
+                self.add_module(f"layer{stage}_{index}", block(in_channels=channels_in, channels=width, stride=stride))
                 channels_in = width * block.expansion
         # (B, C, H, W) -> (B, C, 1, 1) -> (B, C) -> (B, num_classes)
         self.add_module(

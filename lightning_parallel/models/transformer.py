@@ -74,9 +74,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(batch, seq_len, local_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq_len, local_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq_len, local_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         # (B, h, T, D) -> (B, T, h*D)
         out = out.transpose(1, 2).reshape(batch, seq_len, local_heads * self.head_dim)
         return self.resid_dropout(self.proj(out))
@@ -194,9 +192,7 @@ class GPT(nn.Sequential):
             GPTEmbedding(vocab_size=vocab_size, context_length=context_length, width=width, dropout=dropout),
         )
         for index in range(depth):
-            self.add_module(
-                f"block_{index}", Block(width=width, heads=heads, mlp_ratio=mlp_ratio, dropout=dropout)
-            )
+            self.add_module(f"block_{index}", Block(width=width, heads=heads, mlp_ratio=mlp_ratio, dropout=dropout))
         self.add_module("head", LMHead(width=width, vocab_size=vocab_size))
         self._init_weights()
 

@@ -68,9 +68,7 @@ class Task(pl.LightningModule, ABC):
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
         return self(x)
 
-    def _evaluate(
-        self, batch: tuple[torch.Tensor, torch.Tensor], stage: str, metrics: MetricCollection
-    ) -> None:
+    def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str, metrics: MetricCollection) -> None:
         x, y = batch
         output = self(x)
         loss = self.loss_fn(output, y)

@@ -1,0 +1,76 @@
+"""train.py as a user runs it: the default job, multirun sweeps, and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+TINY = ["trainer.max_epochs=1", "trainer.limit_train_batches=4", "trainer.limit_val_batches=2"]
+
+
+def summaries(root: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(root.rglob("summary.json"))]
+
+
+@pytest.mark.slow
+def test_default_job_reaches_accuracy_bar(tmp_path: Path) -> None:
+    """`make train`: SimpleCNN on digits must reach >= 95% validation accuracy within 60 s."""
+    result = run_cli(cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [summary] = summaries(tmp_path / "outputs")
+    assert summary["metrics"]["val/acc"]["best"] >= 0.95
+    assert summary["wall_time_s"] < 60
+    assert summary["model"] == "SimpleCNN" and summary["data"] == "DigitsDataModule"
+    for key in ("steps", "throughput_samples_per_s", "peak_memory_bytes", "parameters", "precision"):
+        assert summary[key], key
+    assert "done best val/acc" in result.stderr
+
+
+@pytest.mark.slow
+def test_multirun_single_and_ddp_each_get_a_directory(tmp_path: Path) -> None:
+    result = run_cli("-m", "strategy=single,ddp", "trainer.devices=2", "trainer.accelerator=cpu", *TINY, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    jobs = sorted(p.parent.name for p in (tmp_path / "multirun").rglob("summary.json"))
+    assert jobs == ["0", "1"]
+    by_strategy = {s["strategy"]: s for s in summaries(tmp_path / "multirun")}
+    assert by_strategy["SingleDeviceStrategy"]["world_size"] == 1
+    assert by_strategy["DDPStrategy"]["world_size"] == 2
+    assert len(by_strategy["DDPStrategy"]["peak_memory_bytes"]) == 2
+    # Ranks > 0 re-ran this job in this job's directory, not a new sweep of their own.
+    assert len(list((tmp_path / "multirun").glob("*/*"))) == 1
+    assert not (tmp_path / "outputs").exists()
+
+
+BAD_INPUTS = {
+    "zero devices": (["trainer.devices=0"], "trainer.devices=0"),
+    "batch too large": (["data.batch_size=5000"], "data.batch_size=5000 exceeds the 1437 training samples"),
+    "missing text file": (
+        ["model=transformer", "data=text", "data.path=/no/such/file.txt"],
+        "/no/such/file.txt",
+    ),
+    "text path not given": (["model=transformer", "data=text"], "data.path"),
+    "incompatible pair": (["model=transformer"], "GPT takes tokens input but the data gives image"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_input_is_one_clear_line(tmp_path: Path, name: str) -> None:
+    overrides, expected = BAD_INPUTS[name]
+    result = run_cli(*overrides, cwd=tmp_path)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0], result.stderr[-2000:]
+    assert "HINT" in errors[0]
+    assert "Traceback" not in result.stderr
+    assert not list(tmp_path.rglob("summary.json")) and not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_unknown_config_option_fails(tmp_path: Path) -> None:
+    result = run_cli("model=no_such_model", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "Could not find 'model/no_such_model'" in result.stderr
+    result = run_cli("trainer.no_such_key=1", cwd=tmp_path)
+    assert result.returncode != 0 and "no_such_key" in result.stderr
