@@ -1,6 +1,43 @@
 """lightning_parallel: pipeline and tensor parallelism as drop-in Lightning strategies.
 
-Importing the package is cheap: submodules load on first use.
+Importing the package registers the strategies in Lightning's StrategyRegistry under their names
+(`Trainer(strategy="pipeline")`); the strategy code itself loads on first use.
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+# public name -> module that defines it
+_LAZY = {
+    "PipelineParallelStrategy": "lightning_parallel.strategies.pipeline",
+    "ParallelDims": "lightning_parallel.dims",
+}
+# registry name -> (class name, description)
+_REGISTERED = {
+    "pipeline": ("PipelineParallelStrategy", "Pipeline parallelism over torch.distributed.pipelining"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lightning_parallel' has no attribute {name!r}")
+
+
+def _factory(class_name: str) -> Any:
+    def build(**kwargs: Any) -> Any:
+        return __getattr__(class_name)(**kwargs)
+
+    build.__name__ = class_name
+    return build
+
+
+for _name, (_class_name, _description) in _REGISTERED.items():
+    if _name not in StrategyRegistry:
+        StrategyRegistry.register(_name, _factory(_class_name), description=_description)
+
+__all__ = list(_LAZY)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_parallel.models.init import init_by_name, init_default
+
 # depth -> (block type, blocks per stage)
 _LAYOUTS: dict[int, tuple[str, tuple[int, int, int, int]]] = {
     18: ("basic", (2, 2, 2, 2)),
@@ -130,12 +132,19 @@ class ResNet(nn.Sequential):
             "head",
             nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels_in, num_classes)),
         )
-        self._init_weights()
+        self.init_weights()
 
-    def _init_weights(self) -> None:
-        for module in self.modules():
-            if isinstance(module, nn.Conv2d):
-                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(module, nn.BatchNorm2d):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter and BatchNorm statistic, keyed by name (see ``init_by_name``)."""
+        init_by_name(self, _init_module)
+
+
+def _init_module(module: nn.Module) -> None:
+    # Kaiming fan_out for convs as in torchvision; BatchNorm (weight 1, bias 0, fresh stats) and Linear keep
+    # PyTorch's defaults.
+    if isinstance(module, nn.Conv2d):
+        nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    else:
+        init_default(module)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from lightning_parallel.models.init import init_by_name, init_default
+
 
 class SimpleCNN(nn.Sequential):
     """Two 5x5 convolutions (6 and 16 channels) with pooling, then three linear layers.
@@ -46,6 +48,11 @@ class SimpleCNN(nn.Sequential):
         self.add_module("fc1", nn.Sequential(nn.Flatten(), nn.Linear(flat, 120), nn.ReLU()))
         self.add_module("fc2", nn.Sequential(nn.Linear(120, 84), nn.ReLU()))
         self.add_module("head", nn.Linear(84, num_classes))
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter with PyTorch's defaults, keyed by name (see ``init_by_name``)."""
+        init_by_name(self, init_default)
 
 
 def _conv_block(in_channels: int, out_channels: int) -> nn.Sequential:

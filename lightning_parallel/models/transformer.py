@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_parallel.models.init import init_by_name, init_default
+
 
 class GPTEmbedding(nn.Module):
     """Token plus learned position embeddings, then dropout.
@@ -194,13 +196,20 @@ class GPT(nn.Sequential):
         for index in range(depth):
             self.add_module(f"block_{index}", Block(width=width, heads=heads, mlp_ratio=mlp_ratio, dropout=dropout))
         self.add_module("head", LMHead(width=width, vocab_size=vocab_size))
-        self._init_weights()
+        self.init_weights()
 
-    def _init_weights(self) -> None:
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter, keyed by name (see ``init_by_name``)."""
+        init_by_name(self, _init_module)
+
+
+def _init_module(module: nn.Module) -> None:
+    # GPT-2 style: N(0, 0.02) weights for projections and embeddings, zero biases; LayerNorm 1 and 0.
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    else:
+        init_default(module)

@@ -1,0 +1,78 @@
+"""Name-keyed weight initialisation: each module's random draws depend only on (seed, its qualified name).
+
+So a pipeline stage that materialises a few blocks of a meta-device model gets exactly the weights those
+blocks have in the full model. Which distribution to draw from stays each model's own choice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+
+def init_by_name(root: nn.Module, init_module: Callable[[nn.Module], None], *, seed: int | None = None) -> None:
+    """Run ``init_module`` on every submodule that directly owns parameters or buffers.
+
+    Each call runs with the global RNG seeded from ``(seed, qualified module name)``, so the result does not
+    depend on which other modules exist or in which order they were built. The caller's RNG state is restored
+    afterwards. Modules still on the meta device are skipped: there is nothing to fill in yet.
+
+    Values are reproducible per device type: a block initialised on CPU equals the same block of a full model
+    initialised on CPU. To match a CPU-built model on an accelerator, initialise on CPU and move.
+
+    Args:
+        root: The model; names are relative to it, as in ``root.named_modules()``.
+        init_module: Fills the direct parameters and buffers of one module in place, drawing from the global RNG.
+        seed: Base seed. ``None`` means ``torch.initial_seed()``, i.e. what ``torch.manual_seed`` last set.
+    """
+    base = torch.initial_seed() if seed is None else seed
+    for name, module in root.named_modules():
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if not tensors or any(t.is_meta for t in tensors):
+            continue
+        with _seeded_rng(tensors[0].device, _name_seed(base, name)), torch.no_grad():
+            init_module(module)
+
+
+def init_default(module: nn.Module) -> None:
+    """PyTorch's own default initialisation: ``module.reset_parameters()`` (BatchNorm also resets its stats).
+
+    Raises:
+        RuntimeError: If the module has no ``reset_parameters``; its tensors would stay uninitialised after
+            ``to_empty``.
+    """
+    reset = getattr(module, "reset_parameters", None)
+    if not callable(reset):
+        raise RuntimeError(
+            f"{type(module).__name__} owns parameters or buffers but has no reset_parameters(). "
+            "HINT: handle this module type explicitly in the model's per-module init function."
+        )
+    reset()
+
+
+def _name_seed(seed: int, name: str) -> int:
+    # Python's hash() is salted per process; a digest is stable across ranks and runs. 64 well-mixed bits
+    # matter because the CPU generator keeps only the low 32 bits of its seed.
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+@contextmanager
+def _seeded_rng(device: torch.device, seed: int) -> Iterator[None]:
+    # torch.manual_seed would also reseed every accelerator without restoring it, so seed only the
+    # generators that are forked here: CPU always, plus the one accelerator the module lives on.
+    if device.type == "cpu":
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            yield
+        return
+    device_mod = torch.get_device_module(device.type)
+    index = device.index if device.index is not None else device_mod.current_device()
+    with torch.random.fork_rng(devices=[index], device_type=device.type), device_mod.device(index):
+        torch.default_generator.manual_seed(seed)
+        device_mod.manual_seed(seed)
+        yield

@@ -1,0 +1,355 @@
+"""Cut an ``nn.Sequential`` of named blocks into pipeline stages and map the stages onto pipeline ranks.
+
+Pure planning plus in-place pruning: no process groups, no schedules, no weight initialisation here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+_STYLES = ("loop", "v")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Partition:
+    """Which blocks form each stage, which pipeline rank runs it, and what each stage costs.
+
+    Args:
+        stages: Block names per stage, in model order. With virtual stages there are more stages than ranks.
+        stage_to_rank: Pipeline rank that owns each stage.
+        costs: Cost of each stage, in ``cost_unit``.
+        cost_unit: What the costs measure, e.g. ``"parameters"`` or ``"seconds"``; shown in ``table()``.
+    """
+
+    stages: tuple[tuple[str, ...], ...]
+    stage_to_rank: tuple[int, ...]
+    costs: tuple[float, ...]
+    cost_unit: str
+
+    def __post_init__(self) -> None:
+        ranks = self.stage_to_rank
+        if not len(self.stages) == len(ranks) == len(self.costs) >= 1 or set(ranks) != set(range(max(ranks) + 1)):
+            raise ValueError(
+                f"Partition has {len(self.stages)} stages, stage_to_rank {list(ranks)} and {len(self.costs)} costs. "
+                "HINT: give one rank and one cost per stage, every rank 0..pp-1 owning a stage (use make_partition)."
+            )
+
+    @property
+    def num_ranks(self) -> int:
+        """Number of pipeline ranks."""
+        return max(self.stage_to_rank) + 1
+
+    def stages_of(self, rank: int) -> list[int]:
+        """Indices of the stages a pipeline rank owns, ascending."""
+        return [stage for stage, owner in enumerate(self.stage_to_rank) if owner == rank]
+
+    def blocks_of(self, rank: int) -> list[str]:
+        """Names of every block a pipeline rank owns, in model order."""
+        return [name for stage in self.stages_of(rank) for name in self.stages[stage]]
+
+    def rank_costs(self) -> list[float]:
+        """Total cost per pipeline rank (the sum over its stages)."""
+        totals = [0.0] * self.num_ranks
+        for owner, cost in zip(self.stage_to_rank, self.costs, strict=True):
+            totals[owner] += cost
+        return totals
+
+    @property
+    def imbalance(self) -> float:
+        """Largest per-rank cost over the mean per-rank cost; 1.0 is a perfect balance."""
+        totals = self.rank_costs()
+        mean = sum(totals) / len(totals)
+        return max(totals) / mean if mean > 0 else 1.0
+
+    def table(self) -> str:
+        """A plain-text table, one row per stage, ending with the imbalance line."""
+        total = sum(self.costs)
+        rows = [("stage", "rank", "blocks", "count", self.cost_unit, "share")]
+        for index, (blocks, owner, cost) in enumerate(zip(self.stages, self.stage_to_rank, self.costs, strict=True)):
+            span = blocks[0] if len(blocks) == 1 else f"{blocks[0]}..{blocks[-1]}"
+            shown = f"{cost:,.0f}" if self.cost_unit == "parameters" else f"{cost:.4g}"
+            share = f"{cost / total:.1%}" if total > 0 else "-"
+            rows.append((str(index), str(owner), span, str(len(blocks)), shown, share))
+        widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+        lines.append(f"imbalance {self.imbalance:.3f} (max / mean {self.cost_unit} per rank, {self.num_ranks} ranks)")
+        return "\n".join(lines)
+
+
+def split_by_cost(names: Sequence[str], costs: Sequence[float], num_stages: int) -> list[list[str]]:
+    """Split blocks into exactly ``num_stages`` contiguous, non-empty stages minimising the largest stage cost.
+
+    Among the splits with the smallest maximum, the one with the smallest sum of squared stage costs (the
+    most even) is returned.
+
+    Args:
+        names: Block names in model order.
+        costs: Non-negative cost per block.
+        num_stages: Number of stages to produce.
+
+    Returns:
+        Block names per stage.
+    """
+    if len(names) != len(costs):
+        raise ValueError(f"got {len(names)} block names but {len(costs)} costs. HINT: give exactly one cost per block.")
+    if num_stages < 1:
+        raise ValueError(f"num_stages {num_stages} must be >= 1. HINT: use pipeline size x virtual stages per rank.")
+    if num_stages > len(names):
+        raise ValueError(
+            f"cannot split {len(names)} blocks into {num_stages} stages: each stage needs at least one block. "
+            f"HINT: use at most {len(names)} stages (pipeline size x virtual stages per rank) or a model with "
+            "more blocks"
+        )
+    bad = [(name, cost) for name, cost in zip(names, costs, strict=True) if not (math.isfinite(cost) and cost >= 0)]
+    if bad:
+        raise ValueError(f"block costs must be finite and >= 0, got {bad}. HINT: check the measured block costs.")
+    # Every stage cost is taken as a prefix-sum difference, so the search and the final split compare the
+    # very same floats and the optimum is exact.
+    prefix = [0.0, *itertools.accumulate(float(cost) for cost in costs)]
+    cap = _min_max_cost(prefix, num_stages)
+    bounds = _most_even_split(prefix, num_stages, cap)
+    return [list(names[start:end]) for start, end in itertools.pairwise(bounds)]
+
+
+def _greedy_stage_count(prefix: list[float], cap: float) -> int:
+    """Fewest contiguous stages with every stage cost <= cap; filling each stage greedily is optimal."""
+    count, start = 1, 0
+    for end in range(1, len(prefix)):
+        if prefix[end] - prefix[start] > cap:
+            count, start = count + 1, end - 1
+            if prefix[end] - prefix[start] > cap:
+                return len(prefix)  # one block alone exceeds the cap: no number of stages fits
+    return count
+
+
+def _min_max_cost(prefix: list[float], num_stages: int) -> float:
+    """Smallest achievable maximum stage cost: the optimum is one of the O(n^2) contiguous segment costs."""
+    n = len(prefix) - 1
+    candidates = sorted({prefix[end] - prefix[start] for start in range(n) for end in range(start + 1, n + 1)})
+    low, high = 0, len(candidates) - 1  # the largest candidate (all blocks in one stage) is always feasible
+    while low < high:
+        mid = (low + high) // 2
+        if _greedy_stage_count(prefix, candidates[mid]) <= num_stages:
+            high = mid
+        else:
+            low = mid + 1
+    return candidates[low]
+
+
+def _most_even_split(prefix: list[float], num_stages: int, cap: float) -> list[int]:
+    """Stage boundaries of the split with stage costs <= cap that minimises the sum of squared stage costs."""
+    n = len(prefix) - 1
+    # best[k][j]: smallest sum of squares covering the first j blocks with k stages; parent[k][j]: last start.
+    best = [[math.inf] * (n + 1) for _ in range(num_stages + 1)]
+    parent = [[-1] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for end in range(k, n - (num_stages - k) + 1):
+            for start in range(end - 1, k - 2, -1):
+                cost = prefix[end] - prefix[start]
+                if cost > cap:
+                    break  # earlier starts only add cost
+                value = best[k - 1][start] + cost * cost
+                if value < best[k][end]:
+                    best[k][end], parent[k][end] = value, start
+    bounds = [n]
+    for k in range(num_stages, 0, -1):
+        bounds.append(parent[k][bounds[-1]])
+    return bounds[::-1]
+
+
+def split_explicit(names: Sequence[str], stages: Sequence[Sequence[str]]) -> list[list[str]]:
+    """Validate a user's split: every block exactly once, contiguous, in model order, no empty stage.
+
+    Args:
+        names: Block names of the model, in order.
+        stages: Block names per stage, as the user wrote them.
+
+    Returns:
+        The same split as lists.
+    """
+    split = [list(stage) for stage in stages if not isinstance(stages, str) and not isinstance(stage, str)]
+    empty = [index for index, stage in enumerate(split) if not stage]
+    if len(split) != len(stages) or not split or empty:
+        raise ValueError(
+            f"an explicit split must be a non-empty list of non-empty lists of block names, got {stages!r}. "
+            "HINT: write e.g. [[stem, layer1_0], [layer1_1, head]]."
+        )
+    flat = [name for stage in split for name in stage]
+    unknown = sorted(set(flat) - set(names), key=flat.index)
+    if unknown:
+        raise ValueError(f"unknown blocks {unknown} in the explicit split. HINT: valid block names are {list(names)}.")
+    duplicated = sorted({name for name in flat if flat.count(name) > 1}, key=flat.index)
+    missing = [name for name in names if name not in flat]
+    if duplicated or missing:
+        raise ValueError(
+            f"every block must appear in exactly one stage: duplicated {duplicated}, missing {missing}. "
+            "HINT: list each block of the model once."
+        )
+    if flat != list(names):
+        position = next(index for index, (got, want) in enumerate(zip(flat, names, strict=True)) if got != want)
+        stage = next(index for index, bound in enumerate(itertools.accumulate(map(len, split))) if position < bound)
+        raise ValueError(
+            f"the explicit split is out of model order: stage {stage} has {flat[position]!r} where "
+            f"{names[position]!r} comes next. HINT: stages must be contiguous runs of blocks in model order."
+        )
+    return split
+
+
+def parameter_costs(model: nn.Sequential) -> list[float]:
+    """Number of parameters per block (works on meta-device models).
+
+    A block without parameters (pooling, activation) counts as 1, so ties between such blocks are broken
+    by their count rather than left arbitrary.
+    """
+    return [float(max(sum(p.numel() for p in block.parameters()), 1)) for block in model.children()]
+
+
+def loop_stage_to_rank(num_stages: int, pp: int) -> list[int]:
+    """Stage ``i`` on rank ``i % pp`` (GPipe, 1F1B, interleaved 1F1B, looped BFS)."""
+    if pp < 1 or num_stages < 1 or num_stages % pp != 0:
+        raise ValueError(
+            f"the loop layout needs num_stages a positive multiple of pp, got num_stages {num_stages}, pp {pp}. "
+            f"HINT: use num_stages = pp x virtual stages per rank, e.g. {2 * max(pp, 1)}."
+        )
+    return [stage % pp for stage in range(num_stages)]
+
+
+def v_stage_to_rank(num_stages: int, pp: int) -> list[int]:
+    """The V layout of ZBV / DualPipeV: down the ranks and back, so rank 0 holds the first and last stage."""
+    if pp < 1 or num_stages != 2 * pp:
+        raise ValueError(
+            f"the V layout needs exactly 2 stages per rank, got num_stages {num_stages} for pp {pp}. "
+            f"HINT: use num_stages = {2 * max(pp, 1)} (stages_per_rank=2)."
+        )
+    return [stage if stage < pp else 2 * pp - 1 - stage for stage in range(num_stages)]
+
+
+def _check_sequential(model: nn.Module) -> list[str]:
+    names = [name for name, _ in model.named_children()]
+    if not isinstance(model, nn.Sequential) or len(names) < 2:
+        raise ValueError(
+            "pipeline parallelism needs the network as an nn.Sequential of named blocks (stem, blocks..., head); "
+            f"got {type(model).__name__} with {len(names)} children. HINT: build the model as an nn.Sequential "
+            "subclass whose direct children are the blocks, like lightning_parallel.models.GPT."
+        )
+    return names
+
+
+def _block_costs(
+    model: nn.Sequential, balance: str | Sequence[Sequence[str]], block_costs: Sequence[float] | None
+) -> tuple[list[float], str]:
+    """Cost per block and its unit: measured seconds when given, else parameters."""
+    num_blocks = len(model)
+    if block_costs is not None and len(block_costs) != num_blocks:
+        raise ValueError(
+            f"block_costs has {len(block_costs)} entries but the model has {num_blocks} blocks. "
+            "HINT: measure one cost per direct child of the model."
+        )
+    if isinstance(balance, str) and balance not in ("parameters", "time"):
+        raise ValueError(f"unknown balance {balance!r}. HINT: use 'parameters', 'time' or a list of block-name lists.")
+    if balance == "parameters" and block_costs is not None:
+        raise ValueError("block_costs were given but balance='parameters' ignores them. HINT: use balance='time'.")
+    if balance == "time" and block_costs is None:
+        raise ValueError(
+            "balance='time' needs block_costs (measured seconds per block) and none were given. "
+            "HINT: measure the blocks first, or use balance='parameters'."
+        )
+    if block_costs is None:
+        # An explicit split without measurements is still reported in parameters, so its balance is visible.
+        return parameter_costs(model), "parameters"
+    return [float(cost) for cost in block_costs], "seconds"
+
+
+def make_partition(
+    model: nn.Sequential,
+    *,
+    pp: int,
+    stages_per_rank: int = 1,
+    style: str = "loop",
+    balance: str | Sequence[Sequence[str]] = "parameters",
+    block_costs: Sequence[float] | None = None,
+) -> Partition:
+    """Plan the pipeline split of a model: the one entry point to this module.
+
+    Args:
+        model: An ``nn.Sequential`` whose children are the blocks (possibly on the meta device).
+        pp: Pipeline size (number of pipeline ranks).
+        stages_per_rank: Virtual stages per rank; ``pp * stages_per_rank`` stages in total.
+        style: ``"loop"`` (stage i on rank i % pp) or ``"v"`` (ZBV / DualPipeV; needs stages_per_rank=2).
+        balance: ``"parameters"``, ``"time"`` (needs ``block_costs``), or an explicit list of block-name lists.
+        block_costs: Measured seconds per block, for ``balance="time"`` or to report an explicit split's costs.
+
+    Returns:
+        The partition, with per-stage costs in parameters or seconds.
+    """
+    names = _check_sequential(model)
+    if pp < 1 or stages_per_rank < 1:
+        raise ValueError(
+            f"pp({pp}) and stages_per_rank({stages_per_rank}) must both be >= 1. HINT: use pp=1 for no pipeline."
+        )
+    if style not in _STYLES:
+        raise ValueError(f"unknown pipeline style {style!r}. HINT: use one of {list(_STYLES)}.")
+    num_stages = pp * stages_per_rank
+    stage_to_rank = loop_stage_to_rank(num_stages, pp) if style == "loop" else v_stage_to_rank(num_stages, pp)
+    costs, unit = _block_costs(model, balance, block_costs)
+    if isinstance(balance, str):
+        split = split_by_cost(names, costs, num_stages)
+    else:
+        split = split_explicit(names, balance)
+        if len(split) != num_stages:
+            raise ValueError(
+                f"the explicit split has {len(split)} stages but pp({pp}) x stages_per_rank({stages_per_rank}) = "
+                f"{num_stages}. HINT: give exactly {num_stages} stages or change pp / stages_per_rank."
+            )
+    cost_of = dict(zip(names, costs, strict=True))
+    return Partition(
+        stages=tuple(tuple(stage) for stage in split),
+        stage_to_rank=tuple(stage_to_rank),
+        costs=tuple(sum(cost_of[name] for name in stage) for stage in split),
+        cost_unit=unit,
+    )
+
+
+def prune_to_blocks(model: nn.Sequential, keep: Iterable[str]) -> None:
+    """Replace every block not in ``keep`` by ``nn.Identity()``, in place.
+
+    The container is never rebuilt, so the kept blocks' parameters keep their full-model names (the keys of
+    optimizers and checkpoints) and the dropped blocks' parameters disappear from ``named_parameters()``.
+    """
+    names = _check_sequential(model)
+    kept = set(keep)
+    unknown = sorted(kept - set(names))
+    if unknown:
+        raise ValueError(f"cannot keep unknown blocks {unknown}. HINT: valid block names are {names}.")
+    for name in names:
+        if name not in kept:
+            model.add_module(name, nn.Identity())
+
+
+def stage_module(model: nn.Sequential, blocks: Sequence[str]) -> nn.Sequential:
+    """A new ``nn.Sequential`` holding the same block objects (shared parameters, no copies) for one stage.
+
+    Args:
+        model: The full (or pruned) model.
+        blocks: A contiguous run of block names in model order, e.g. one entry of ``Partition.stages``.
+
+    Returns:
+        The stage, ready to hand to ``torch.distributed.pipelining.PipelineStage``.
+    """
+    names = _check_sequential(model)
+    wanted = list(blocks)
+    first = names.index(wanted[0]) if wanted and wanted[0] in names else -1
+    if first < 0 or names[first : first + len(wanted)] != wanted:
+        raise ValueError(
+            f"stage blocks {wanted} are not a non-empty, contiguous run of the model's blocks in order. "
+            f"HINT: take them from Partition.stages; valid names are {names}."
+        )
+    children = dict(model.named_children())
+    return nn.Sequential(OrderedDict((name, children[name]) for name in wanted))

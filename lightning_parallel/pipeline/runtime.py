@@ -1,0 +1,131 @@
+"""One pipelined step with `torch.distributed.pipelining`: stages and a schedule per input shape, the
+micro-batch count for a batch, and gradients set aside between a step and its backward.
+
+Knows nothing about Lightning: the strategy decides when to call it and what to do with the results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+from lightning_parallel.pipeline.schedule_plan import resolve_schedule
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def choose_microbatches(batch_size: int, requested: int, fits: Callable[[int], bool]) -> int:
+    """The largest micro-batch count <= `requested` that divides the batch and the schedule accepts.
+
+    Equal micro-batches keep the mean of micro-batch losses equal to the batch loss; a count per shape
+    avoids PipelineStage's fixed receive buffers ever seeing a different size.
+    """
+    for count in range(min(requested, batch_size), 0, -1):
+        if batch_size % count == 0 and fits(count):
+            return count
+    raise ValueError(
+        f"no micro-batch count <= {requested} divides a batch of {batch_size} and fits the schedule. "
+        "HINT: use a batch size divisible by the number of micro-batches, or another schedule"
+    )
+
+
+def take_gradients(params: Sequence[nn.Parameter]) -> list[torch.Tensor | None]:
+    """Detach the current gradients from the parameters and return them (the parameters keep none)."""
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return grads
+
+
+def put_gradients(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+
+
+class PipelineRuntime:
+    """The local stages of one pipeline rank and their schedules, one per (mode, input shape).
+
+    Args:
+        stage_modules: stage index -> module holding that stage's blocks (shared with the model).
+        num_stages: total stages in the pipeline (pipeline size x stages per rank).
+        schedule: our schedule name (see `schedule_plan.SCHEDULES`).
+        microbatches: requested micro-batches per step; fewer are used when the batch needs it.
+        group: the pipeline process group.
+        device: where this rank's stages run.
+        loss_fn: per micro-batch loss `(output, target) -> scalar mean`, called on the last stage.
+    """
+
+    def __init__(
+        self,
+        *,
+        stage_modules: dict[int, nn.Module],
+        num_stages: int,
+        schedule: str,
+        microbatches: int,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        loss_fn: LossFn,
+    ) -> None:
+        self.stage_modules = dict(sorted(stage_modules.items()))
+        self.num_stages = num_stages
+        self.schedule_name = schedule
+        self.microbatches = microbatches
+        self.group = group
+        self.device = device
+        self.loss_fn = loss_fn
+        self.pp = dist.get_world_size(group)
+        self.stages_per_rank = len(self.stage_modules)
+        self.has_first = 0 in self.stage_modules
+        self.has_last = num_stages - 1 in self.stage_modules
+        self._schedules: dict[tuple, object] = {}
+        self.microbatches_used: dict[tuple, int] = {}
+
+    def _fits(self, count: int) -> bool:
+        try:
+            resolve_schedule(self.schedule_name, pp=self.pp, microbatches=count, stages_per_rank=self.stages_per_rank)
+        except ValueError:
+            return False
+        return True
+
+    def _schedule(self, training: bool, inputs: tuple[torch.Tensor, ...]) -> object:
+        # Every rank holds the batch (ranks of a replica share it), so every rank computes the same key.
+        key = (training, tuple(tuple(t.shape) for t in inputs))
+        if key not in self._schedules:
+            count = choose_microbatches(inputs[0].shape[0], self.microbatches, self._fits)
+            spec = resolve_schedule(
+                self.schedule_name, pp=self.pp, microbatches=count, stages_per_rank=self.stages_per_rank
+            )
+            stages = [
+                PipelineStage(module, index, self.num_stages, self.device, group=self.group)
+                for index, module in self.stage_modules.items()
+            ]
+            loss_fn = self.loss_fn if training else None
+            if issubclass(spec.torch_class, PipelineScheduleSingle):
+                schedule = spec.torch_class(stages[0], n_microbatches=count, loss_fn=loss_fn)
+            else:
+                schedule = spec.torch_class(stages, n_microbatches=count, loss_fn=loss_fn)
+            self._schedules[key] = schedule
+            self.microbatches_used[key] = count
+        return self._schedules[key]
+
+    def train_step(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of one batch; gradients land in `.grad`. Returns the mean loss on the
+        rank holding the last stage, None elsewhere. Every rank passes the batch."""
+        schedule = self._schedule(True, inputs)
+        losses: list[torch.Tensor] = []
+        args = inputs if self.has_first else ()
+        kwargs = {"target": target, "losses": losses} if self.has_last else {}
+        schedule.step(*args, return_outputs=False, **kwargs)  # type: ignore[attr-defined]
+        return torch.stack([loss.detach().float() for loss in losses]).mean() if self.has_last else None
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """Forward only (evaluation). Returns the whole batch's output on the last stage's rank."""
+        schedule = self._schedule(False, inputs)
+        with torch.no_grad():
+            output = schedule.step(*(inputs if self.has_first else ()))  # type: ignore[attr-defined]
+        return output if self.has_last else None

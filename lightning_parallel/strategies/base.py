@@ -1,0 +1,169 @@
+"""The shared mesh strategy: launcher, process group with a short timeout, one named DeviceMesh, collectives,
+sampler arguments over the data-parallel dimension only, validation before launch.
+
+The ONE module allowed to touch Lightning/Fabric private helpers. It knows nothing about pipelines or
+tensor plans; subclasses say how the world splits (`resolve_dims`) and what to check (`validate`).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch.distributed.device_mesh import DeviceMesh
+from typing_extensions import override
+
+from lightning_parallel.dims import ParallelDims
+
+DEFAULT_TIMEOUT = timedelta(minutes=5)  # Lightning's default is 30 minutes of a silent hang
+
+
+class _ValidatingLauncher(_SubprocessScriptLauncher):
+    """Lightning's subprocess launcher, but the strategy checks the model before children start."""
+
+    def __init__(self, strategy: MeshStrategy, *args: Any) -> None:
+        super().__init__(*args)
+        self._strategy = strategy
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if trainer is not None and trainer.lightning_module is not None:
+            self._strategy.validate(trainer.lightning_module)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class MeshStrategy(ParallelStrategy):
+    """A multi-process strategy over one DeviceMesh with named dimensions ("dp", "pp", "tp").
+
+    Args:
+        timeout: how long a collective may wait before the run fails (seconds or a timedelta).
+        process_group_backend: None picks gloo on CPU and nccl on GPU.
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout: float | timedelta = DEFAULT_TIMEOUT,
+        process_group_backend: str | None = None,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        precision_plugin: Any = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision_plugin=precision_plugin,
+        )
+        self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        self._process_group_backend = process_group_backend
+        self._dims: ParallelDims | None = None
+        self._mesh: DeviceMesh | None = None
+        self.num_nodes = 1
+
+    @abstractmethod
+    def resolve_dims(self, world_size: int) -> ParallelDims:
+        """How this strategy splits `world_size` processes; raises ValueError with a fix."""
+
+    def validate(self, module: pl.LightningModule) -> None:
+        """Check the LightningModule before any process is launched (subclasses extend)."""
+
+    @property
+    def dims(self) -> ParallelDims:
+        if self._dims is None:
+            raise RuntimeError(f"{type(self).__name__}.dims is known only once the Trainer has set the devices")
+        return self._dims
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError(f"{type(self).__name__}.device_mesh exists only after the processes have started")
+        return self._mesh
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every pipeline and tensor rank of one replica must see the same batch.
+        coords = self.dims.coords(self.global_rank)
+        return {"num_replicas": self.dims.dp, "rank": coords[0]}
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Runs in the main process when the Trainer is built: the place to fail before any launch.
+        self._dims = self.resolve_dims(self.num_processes * self.num_nodes)
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _ValidatingLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        self._dims = self.resolve_dims(self.world_size)
+        self._mesh = self.dims.build_mesh(self.root_device.type)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        """The process group of this rank along one mesh dimension ("dp", "pp" or "tp")."""
+        return self.device_mesh.get_group(dim)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src)
+        return holder[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor

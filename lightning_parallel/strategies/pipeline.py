@@ -1,0 +1,337 @@
+"""PipelineParallelStrategy: the LightningModule's network is cut into stages on different ranks and
+micro-batches flow through them (torch.distributed.pipelining), while the user's code stays single-device.
+
+Owns the training step: `self(x)` only records its input, and the named loss method runs the schedule.
+Splitting math lives in `pipeline/partition.py`, the schedule mechanics in `pipeline/runtime.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from typing_extensions import override
+
+from lightning_parallel.dims import ParallelDims
+from lightning_parallel.pipeline.partition import Partition, make_partition, prune_to_blocks, stage_module
+from lightning_parallel.pipeline.runtime import PipelineRuntime, put_gradients, take_gradients
+from lightning_parallel.pipeline.schedule_plan import ScheduleSpec, analytic_bubble, resolve_schedule
+from lightning_parallel.precision import clip_grad_norm_global
+from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
+from lightning_parallel.strategies.pending import PendingOutput, swap_attribute
+
+
+class PipelineParallelStrategy(MeshStrategy):
+    """Pipeline parallelism (optionally x data parallelism) as a Lightning strategy.
+
+    Contract with the LightningModule: the network is an `nn.Sequential` of named blocks stored at
+    `network_attr`, and the training loss goes through the method `loss_attr(output, target)`.
+
+    Args:
+        microbatches: micro-batches per step (default 2 x stages); fewer when a batch needs it.
+        schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zero_bubble, zbv, dualpipev.
+        stages_per_rank: virtual stages per rank for multi-stage schedules (default 2 for them, else 1).
+        data_parallel_size: replicas; devices = data_parallel_size x pipeline stages.
+        balance: "parameters" (default), "time" (measure each block), or explicit block names per stage.
+        network_attr / loss_attr: where the network and the loss method live on the LightningModule.
+        timeout: seconds (or timedelta) a collective may wait before the run fails.
+    """
+
+    strategy_name = "pipeline"
+
+    def __init__(
+        self,
+        *,
+        microbatches: int | None = None,
+        schedule: str = "1f1b",
+        stages_per_rank: int | None = None,
+        data_parallel_size: int = 1,
+        balance: str | Sequence[Sequence[str]] = "parameters",
+        network_attr: str = "model",
+        loss_attr: str = "loss_fn",
+        timeout: float | timedelta = DEFAULT_TIMEOUT,
+        process_group_backend: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(timeout=timeout, process_group_backend=process_group_backend, **kwargs)
+        if microbatches is not None and microbatches < 1:
+            raise ValueError(f"microbatches={microbatches} must be at least 1. HINT: microbatches=4")
+        if data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size={data_parallel_size} must be at least 1")
+        if not isinstance(balance, str) or balance not in ("parameters", "time"):
+            if isinstance(balance, str):
+                raise ValueError(f"balance={balance!r} is unknown. HINT: parameters, time, or block names per stage")
+        self.schedule = schedule
+        self._microbatches = microbatches
+        self._stages_per_rank = stages_per_rank
+        self.data_parallel_size = data_parallel_size
+        self.balance = balance
+        self.network_attr = network_attr
+        self.loss_attr = loss_attr
+        self._spec: ScheduleSpec | None = None
+        self._partition: Partition | None = None
+        self._runtime: PipelineRuntime | None = None
+        self._fresh_grads: list[torch.Tensor | None] | None = None
+
+    # ---- sizes and validation (main process, before launch) -------------------------------------
+    @override
+    def resolve_dims(self, world_size: int) -> ParallelDims:
+        dims = ParallelDims.resolve(world_size, dp=self.data_parallel_size, pp=None, tp=1)
+        self._spec = resolve_schedule(
+            self.schedule, pp=dims.pp, microbatches=self.microbatches_for(dims.pp), stages_per_rank=self._stages_per_rank
+        )
+        return dims
+
+    def microbatches_for(self, pp: int) -> int:
+        return self._microbatches if self._microbatches is not None else 2 * pp
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        if self._spec is None:
+            raise RuntimeError("the schedule is resolved once the Trainer knows the devices")
+        return self._spec
+
+    @property
+    def partition(self) -> Partition:
+        if self._partition is None:
+            raise RuntimeError("the partition exists once the strategy is set up")
+        return self._partition
+
+    @override
+    def validate(self, module: pl.LightningModule) -> None:
+        network = self.network_of(module)
+        if self._partition is not None:
+            return  # already split (e.g. trainer.validate after fit): the pruned network would mislead
+        if not callable(getattr(module, self.loss_attr, None)):
+            raise ValueError(
+                f"{type(module).__name__} has no loss method `{self.loss_attr}(output, target)`. HINT: route the "
+                f"training loss through such a method, or pass loss_attr='<its name>' to PipelineParallelStrategy"
+            )
+        self._partition = self.make_partition(network)
+
+    def network_of(self, module: pl.LightningModule) -> nn.Sequential:
+        network = getattr(module, self.network_attr, None)
+        if not isinstance(network, nn.Sequential):
+            found = type(network).__name__ if network is not None else "nothing"
+            raise ValueError(
+                f"pipeline parallelism needs the network as an nn.Sequential of named blocks at "
+                f"`{type(module).__name__}.{self.network_attr}`; found {found}. HINT: store it there, or pass "
+                f"network_attr='<attribute>' to PipelineParallelStrategy"
+            )
+        return network
+
+    def make_partition(self, network: nn.Sequential) -> Partition:
+        balance = self.balance
+        if balance == "time":
+            raise ValueError("balance='time' needs measured block costs. HINT: balance=parameters")
+        return make_partition(
+            network, pp=self.dims.pp, stages_per_rank=self.spec.stages_per_rank, style=self.spec.style, balance=balance
+        )
+
+    # ---- set-up in every process ---------------------------------------------------------------
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        # Models built under trainer.init_module() start on the meta device; setup() materialises
+        # only this rank's stages, so no rank ever holds the whole model.
+        device = torch.device("meta") if empty_init is not False else nullcontext()
+        with device, self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        network = self.network_of(module)
+        pp_rank = self.device_mesh.get_local_rank("pp")
+        if self._runtime is None:  # first set-up of this model: split it (later fit/validate calls reuse it)
+            self._partition = self._partition or self.make_partition(network)
+            prune_to_blocks(network, self.partition.blocks_of(pp_rank))
+            materialize(network, self.root_device)
+        self.model = self.precision_plugin.convert_module(module)
+        self.model_to_device()
+        if self._runtime is None:
+            self._runtime = self._build_runtime(module, network, pp_rank)
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        if self.global_rank == 0:
+            rank_zero_info(f"PipelineParallelStrategy: {self.spec.name}, {self.describe_layout()}\n{self.partition.table()}")
+        self.barrier()
+        if trainer.state.fn == "fit":
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _build_runtime(self, module: pl.LightningModule, network: nn.Sequential, pp_rank: int) -> PipelineRuntime:
+        partition = self.partition
+        return PipelineRuntime(
+            stage_modules={i: stage_module(network, partition.stages[i]) for i in partition.stages_of(pp_rank)},
+            num_stages=len(partition.stages),
+            schedule=self.spec.name,
+            microbatches=self.microbatches_for(self.dims.pp),
+            group=self.group("pp"),
+            device=self.root_device,
+            loss_fn=getattr(module, self.loss_attr),
+        )
+
+    def describe_layout(self) -> str:
+        return (
+            f"dp={self.dims.dp} x pp={self.dims.pp}, {len(self.partition.stages)} stages, "
+            f"{self.microbatches_for(self.dims.pp)} micro-batches"
+        )
+
+    @property
+    def runtime(self) -> PipelineRuntime:
+        if self._runtime is None:
+            raise RuntimeError("the pipeline runtime exists once the strategy is set up")
+        return self._runtime
+
+    # ---- the step ------------------------------------------------------------------------------
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        network = self.network_of(module)
+        with swap_attribute(network, "forward", PendingOutput.recorder()), swap_attribute(
+            module, self.loss_attr, self._pipelined_loss
+        ):
+            return super().training_step(*args, **kwargs)
+
+    def _pipelined_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        if not isinstance(output, PendingOutput):
+            raise RuntimeError(
+                f"under PipelineParallelStrategy, `{self.loss_attr}` must receive the network's output directly "
+                f"(`self.{self.loss_attr}(self(x), y)`); got {type(output).__name__}"
+            )
+        params = self.local_parameters()
+        earlier = take_gradients(params)  # gradients accumulated by earlier micro-steps
+        loss = self.runtime.train_step(output.inputs(), target)
+        self._fresh_grads = take_gradients(params)
+        put_gradients(params, earlier)
+        return self._from_last_stage(loss, torch.Size(), torch.float32)
+
+    def _pipelined_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs:
+            raise RuntimeError(f"pipelined networks take positional inputs only; got keywords {sorted(kwargs)}")
+        output = self.runtime.forward(tuple(args))
+        meta = [(output.shape, output.dtype)] if output is not None else [None]
+        dist.broadcast_object_list(meta, src=self._last_stage_rank(), group=self.group("pp"))
+        shape, dtype = meta[0]
+        return self._from_last_stage(output, shape, dtype)
+
+    def _from_last_stage(self, tensor: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """Broadcast a tensor from the rank holding the last stage to every rank of the pipeline."""
+        buffer = tensor.to(dtype).contiguous() if tensor is not None else torch.empty(shape, dtype=dtype, device=self.root_device)
+        dist.broadcast(buffer, src=self._last_stage_rank(), group=self.group("pp"))
+        return buffer
+
+    def _last_stage_rank(self) -> int:
+        """Global rank of this replica's process that holds the last stage."""
+        last_pp = self.partition.stage_to_rank[-1]
+        return dist.get_global_rank(self.group("pp"), last_pp)
+
+    def local_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.network_of(self.lightning_module).parameters() if p.requires_grad]
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # The schedule already ran backward inside training_step; put those gradients where autograd
+        # would have, scaled like Lightning's loss / accumulate_grad_batches, and fire the hooks.
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        scale = 1.0 / module.trainer.accumulate_grad_batches
+        fresh = self._fresh_grads or []
+        for p, g in zip(self.local_parameters(), fresh, strict=False):
+            if g is None:
+                continue
+            g = g * scale if scale != 1.0 else g
+            p.grad = g if p.grad is None else p.grad + g
+        self._fresh_grads = None
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        def closure_then_sync() -> Any:
+            result = closure()
+            self._average_over_replicas()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+
+    def _average_over_replicas(self) -> None:
+        """All-reduce each stage's gradients across data-parallel replicas, once per optimizer step."""
+        if self.dims.dp == 1:
+            return
+        grads = [p.grad for p in self.local_parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group("dp"))
+        flat /= self.dims.dp
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_norm_global(params, float(clip_val), group=self.group("pp"))
+
+    # ---- evaluation ----------------------------------------------------------------------------
+    def _evaluating(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with swap_attribute(self.network_of(self.lightning_module), "forward", self._pipelined_forward):
+            return step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluating(super().validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluating(super().test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluating(super().predict_step, *args, **kwargs)
+
+    # ---- what it costs -------------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """Partition, schedule and analytic bubble, for summary.json."""
+        spec, partition = self.spec, self.partition
+        microbatches = self.microbatches_for(self.dims.pp)
+        return {
+            "schedule": spec.name,
+            "data_parallel_size": self.dims.dp,
+            "pipeline_size": self.dims.pp,
+            "stages_per_rank": spec.stages_per_rank,
+            "microbatches": microbatches,
+            "bubble_fraction": analytic_bubble(
+                spec.name, pp=self.dims.pp, microbatches=microbatches, stages_per_rank=spec.stages_per_rank
+            ),
+            "stages": [list(blocks) for blocks in partition.stages],
+            "stage_to_rank": list(partition.stage_to_rank),
+            "imbalance": partition.imbalance,
+        }
+
+
+def materialize(network: nn.Module, device: torch.device) -> None:
+    """Give meta-device parameters real storage and name-keyed initial values; move the rest."""
+    on_meta = any(t.is_meta for t in [*network.parameters(), *network.buffers()])
+    if not on_meta:
+        network.to(device)
+        return
+    init_weights = getattr(network, "init_weights", None)
+    if not callable(init_weights):
+        raise RuntimeError(
+            f"{type(network).__name__} was built on the meta device but has no init_weights() to initialise "
+            "its stages. HINT: build it outside trainer.init_module(), or give it an init_weights() method"
+        )
+    network.to_empty(device=device)
+    init_weights()
+

@@ -1,0 +1,114 @@
+"""Name-keyed initialisation: a pruned meta-device model re-initialised in place equals the full model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_parallel.models import GPT, ResNet, SimpleCNN
+from lightning_parallel.models.init import init_by_name, init_default
+
+Build = Callable[[], nn.Sequential]
+
+BUILDS: dict[str, Build] = {
+    "simple_cnn": lambda: SimpleCNN(in_channels=1, image_size=8, num_classes=10),
+    "resnet18": lambda: ResNet(depth=18, in_channels=1, num_classes=10),
+    "gpt": lambda: GPT(vocab_size=32, context_length=16, depth=4, width=32, heads=2),
+}
+
+
+def _build(build: Build, seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return build()
+
+
+def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def _middle(names: list[str]) -> list[str]:
+    # Drop the first and last child: a stage with neither embedding/stem nor head.
+    return names[1:-1]
+
+
+def _head(names: list[str]) -> list[str]:
+    return names[-1:]
+
+
+@pytest.mark.parametrize("keep", [_middle, _head], ids=["middle", "head"])
+@pytest.mark.parametrize("build", BUILDS.values(), ids=BUILDS.keys())
+def test_pruned_meta_model_matches_full_model(build: Build, keep: Callable[[list[str]], list[str]]) -> None:
+    full = _tensors(_build(build, seed=3))
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        model = build()
+    children = [name for name, _ in model.named_children()]
+    kept = keep(children)
+    for name in children:
+        if name not in kept:
+            setattr(model, name, nn.Identity())
+    model.to_empty(device="cpu")
+    # Draw from the global RNG in between, as other setup code would; init must not depend on it.
+    torch.randn(100)
+    model.init_weights()
+
+    local = _tensors(model)
+    assert local, "nothing kept"
+    assert all(name.split(".")[0] in kept for name in local)
+    for name, tensor in local.items():
+        assert torch.equal(tensor, full[name]), name
+
+
+@pytest.mark.parametrize("build", BUILDS.values(), ids=BUILDS.keys())
+def test_same_seed_same_weights_different_seed_different_weights(build: Build) -> None:
+    first, again, other = (_tensors(_build(build, seed)) for seed in (3, 3, 4))
+    assert first.keys() == again.keys() == other.keys()
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    params = [name for name, t in first.items() if t.is_floating_point() and t.std() > 0]
+    assert params
+    assert not any(torch.equal(first[name], other[name]) for name in params)
+
+
+@pytest.mark.parametrize("build", BUILDS.values(), ids=BUILDS.keys())
+def test_init_weights_keeps_global_rng_state(build: Build) -> None:
+    model = _build(build, seed=3)
+    before = torch.get_rng_state()
+    model.init_weights()
+    assert torch.equal(before, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("build", BUILDS.values(), ids=BUILDS.keys())
+def test_init_weights_is_a_no_op_on_meta(build: Build) -> None:
+    with torch.device("meta"):
+        model = build()
+    model.init_weights()
+    assert all(t.is_meta for t in _tensors(model).values())
+
+
+def test_modules_get_distinct_streams() -> None:
+    # Equal shapes at different names must not draw the same numbers.
+    model = GPT(vocab_size=32, context_length=16, depth=2, width=32, heads=2)
+    assert not torch.equal(model.get_submodule("block_0.attn.q").weight, model.get_submodule("block_0.attn.k").weight)
+    assert not torch.equal(model.get_submodule("block_0.mlp.up").weight, model.get_submodule("block_1.mlp.up").weight)
+
+
+def test_explicit_seed_overrides_initial_seed() -> None:
+    model = nn.Sequential(nn.Linear(4, 4))
+    init_by_name(model, init_default, seed=7)
+    first = model[0].weight.clone()
+    torch.manual_seed(99)
+    init_by_name(model, init_default, seed=7)
+    assert torch.equal(first, model[0].weight)
+
+
+def test_init_default_rejects_module_without_reset_parameters() -> None:
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(1))
+
+    with pytest.raises(RuntimeError, match="Scale.*HINT"):
+        init_by_name(nn.Sequential(Scale()), init_default)
