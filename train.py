@@ -81,6 +81,7 @@ def build_strategy(cfg: DictConfig) -> Any:
 
 
 def build_trainer(cfg: DictConfig, summary: RunSummary) -> pl.Trainer:
+    """The Trainer with its strategy, callbacks (plus the run summary) and logger."""
     callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None]
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     return instantiate(cfg.trainer, strategy=build_strategy(cfg), callbacks=[*callbacks, summary], logger=logger)
@@ -99,10 +100,12 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, Task, pl.LightningDataModule, Ru
         check_config(cfg)
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         data = instantiate(cfg.data)
-        model = build_model(cfg, data.model_hints)
-        task = build_task(cfg, model, data)
         summary = RunSummary()
         trainer = build_trainer(cfg, summary)
+        # Under a model-parallel strategy this builds on the meta device; each rank materialises its part.
+        with trainer.init_module():
+            model = build_model(cfg, data.model_hints)
+        task = build_task(cfg, model, data)
     except ConfigError:
         raise
     except MissingMandatoryValue as error:
@@ -118,7 +121,13 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, Task, pl.LightningDataModule, Ru
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run `fit` as configured and return the summary (also written to `<output_dir>/summary.json`)."""
     trainer, task, data, recorder = build(cfg)
-    trainer.fit(task, datamodule=data)
+    parameters = sum(p.numel() for p in task.model.parameters())  # before a strategy splits the model
+    try:
+        trainer.fit(task, datamodule=data)
+    finally:
+        # Lightning leaves the process group up; the next job of a sweep must start its own.
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     if trainer.interrupted:
         raise RuntimeError("training was interrupted; no summary.json written")
     summary = {
@@ -129,10 +138,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "precision": trainer.precision,
         "model": type(task.model).__name__,
         "data": type(data).__name__,
-        "parameters": sum(p.numel() for p in task.model.parameters()),
+        "parameters": parameters,
         "seed": cfg.seed,
         **recorder.summary,
     }
+    describe = getattr(trainer.strategy, "describe", None)
+    if callable(describe):
+        summary["parallel"] = describe()
     if HydraConfig.initialized():
         summary["choices"] = {k: v for k, v in HydraConfig.get().runtime.choices.items() if "hydra" not in k}
     if trainer.is_global_zero:

@@ -7,6 +7,7 @@ Knows nothing about Lightning: the strategy decides when to call it and what to 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -19,19 +20,21 @@ from lightning_parallel.pipeline.schedule_plan import resolve_schedule
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def choose_microbatches(batch_size: int, requested: int, fits: Callable[[int], bool]) -> int:
+# Schedules that accept any micro-batch count, per stage layout: the fallback for awkward batch sizes.
+# The schedule only orders the work; every schedule computes the same gradients.
+ANY_COUNT = {(1, "loop"): "gpipe", (2, "loop"): "looped_bfs", (2, "v"): "zbv"}
+
+
+def choose_microbatches(batch_size: int, requested: int, fits: Callable[[int], bool]) -> int | None:
     """The largest micro-batch count <= `requested` that divides the batch and the schedule accepts.
 
     Equal micro-batches keep the mean of micro-batch losses equal to the batch loss; a count per shape
-    avoids PipelineStage's fixed receive buffers ever seeing a different size.
+    avoids PipelineStage's fixed receive buffers ever seeing a different size. None if no count fits.
     """
     for count in range(min(requested, batch_size), 0, -1):
         if batch_size % count == 0 and fits(count):
             return count
-    raise ValueError(
-        f"no micro-batch count <= {requested} divides a batch of {batch_size} and fits the schedule. "
-        "HINT: use a batch size divisible by the number of micro-batches, or another schedule"
-    )
+    return None
 
 
 def take_gradients(params: Sequence[nn.Parameter]) -> list[torch.Tensor | None]:
@@ -80,26 +83,38 @@ class PipelineRuntime:
         self.loss_fn = loss_fn
         self.pp = dist.get_world_size(group)
         self.stages_per_rank = len(self.stage_modules)
+        self.style = resolve_schedule(
+            schedule, pp=self.pp, microbatches=microbatches, stages_per_rank=self.stages_per_rank
+        ).style
         self.has_first = 0 in self.stage_modules
         self.has_last = num_stages - 1 in self.stage_modules
         self._schedules: dict[tuple, object] = {}
-        self.microbatches_used: dict[tuple, int] = {}
+        self.microbatches_used: dict[tuple, tuple[str, int]] = {}
 
-    def _fits(self, count: int) -> bool:
+    def _fits(self, name: str, count: int) -> bool:
         try:
-            resolve_schedule(self.schedule_name, pp=self.pp, microbatches=count, stages_per_rank=self.stages_per_rank)
+            resolve_schedule(name, pp=self.pp, microbatches=count, stages_per_rank=self.stages_per_rank)
         except ValueError:
             return False
         return True
+
+    def _plan(self, batch_size: int) -> tuple[str, int]:
+        """Schedule name and micro-batch count for a batch: the configured schedule when some count fits,
+        else the same-layout schedule that takes any count (e.g. a last batch of prime size)."""
+        count = choose_microbatches(batch_size, self.microbatches, partial(self._fits, self.schedule_name))
+        if count is not None:
+            return self.schedule_name, count
+        fallback = ANY_COUNT[(min(self.stages_per_rank, 2), self.style)]
+        count = choose_microbatches(batch_size, self.microbatches, partial(self._fits, fallback))
+        assert count is not None  # the fallback accepts a single micro-batch
+        return fallback, count
 
     def _schedule(self, training: bool, inputs: tuple[torch.Tensor, ...]) -> object:
         # Every rank holds the batch (ranks of a replica share it), so every rank computes the same key.
         key = (training, tuple(tuple(t.shape) for t in inputs))
         if key not in self._schedules:
-            count = choose_microbatches(inputs[0].shape[0], self.microbatches, self._fits)
-            spec = resolve_schedule(
-                self.schedule_name, pp=self.pp, microbatches=count, stages_per_rank=self.stages_per_rank
-            )
+            name, count = self._plan(inputs[0].shape[0])
+            spec = resolve_schedule(name, pp=self.pp, microbatches=count, stages_per_rank=self.stages_per_rank)
             stages = [
                 PipelineStage(module, index, self.num_stages, self.device, group=self.group)
                 for index, module in self.stage_modules.items()
@@ -110,7 +125,7 @@ class PipelineRuntime:
             else:
                 schedule = spec.torch_class(stages, n_microbatches=count, loss_fn=loss_fn)
             self._schedules[key] = schedule
-            self.microbatches_used[key] = count
+            self.microbatches_used[key] = (name, count)
         return self._schedules[key]
 
     def train_step(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor | None:

@@ -108,6 +108,12 @@ class MeshStrategy(ParallelStrategy):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
+    def is_distributed(self) -> bool:
+        # Lightning syncs `self.log(..., sync_dist=True)` and injects samplers only for strategies it
+        # knows, or that say so here.
+        return True
+
+    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every pipeline and tensor rank of one replica must see the same batch.

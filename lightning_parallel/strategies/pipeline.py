@@ -85,7 +85,10 @@ class PipelineParallelStrategy(MeshStrategy):
     def resolve_dims(self, world_size: int) -> ParallelDims:
         dims = ParallelDims.resolve(world_size, dp=self.data_parallel_size, pp=None, tp=1)
         self._spec = resolve_schedule(
-            self.schedule, pp=dims.pp, microbatches=self.microbatches_for(dims.pp), stages_per_rank=self._stages_per_rank
+            self.schedule,
+            pp=dims.pp,
+            microbatches=self.microbatches_for(dims.pp),
+            stages_per_rank=self._stages_per_rank,
         )
         return dims
 
@@ -163,7 +166,9 @@ class PipelineParallelStrategy(MeshStrategy):
             self._runtime = self._build_runtime(module, network, pp_rank)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         if self.global_rank == 0:
-            rank_zero_info(f"PipelineParallelStrategy: {self.spec.name}, {self.describe_layout()}\n{self.partition.table()}")
+            rank_zero_info(
+                f"PipelineParallelStrategy: {self.spec.name}, {self.describe_layout()}\n{self.partition.table()}"
+            )
         self.barrier()
         if trainer.state.fn == "fit":
             self.setup_optimizers(trainer)
@@ -198,8 +203,9 @@ class PipelineParallelStrategy(MeshStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         network = self.network_of(module)
-        with swap_attribute(network, "forward", PendingOutput.recorder()), swap_attribute(
-            module, self.loss_attr, self._pipelined_loss
+        with (
+            swap_attribute(network, "forward", PendingOutput.recorder()),
+            swap_attribute(module, self.loss_attr, self._pipelined_loss),
         ):
             return super().training_step(*args, **kwargs)
 
@@ -227,7 +233,11 @@ class PipelineParallelStrategy(MeshStrategy):
 
     def _from_last_stage(self, tensor: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """Broadcast a tensor from the rank holding the last stage to every rank of the pipeline."""
-        buffer = tensor.to(dtype).contiguous() if tensor is not None else torch.empty(shape, dtype=dtype, device=self.root_device)
+        buffer = (
+            tensor.to(dtype).contiguous()
+            if tensor is not None
+            else torch.empty(shape, dtype=dtype, device=self.root_device)
+        )
         dist.broadcast(buffer, src=self._last_stage_rank(), group=self.group("pp"))
         return buffer
 
@@ -334,4 +344,3 @@ def materialize(network: nn.Module, device: torch.device) -> None:
         )
     network.to_empty(device=device)
     init_weights()
-
