@@ -1,7 +1,8 @@
 """Gradient clipping by one global norm when a model's parameters are spread over several ranks.
 
-Lightning clips with the local norm, which under pipeline parallelism differs per stage. This module
-only computes and applies the norm; it does not decide which process groups to combine.
+Lightning clips with the local norm, which under pipeline parallelism differs per stage, and crashes on a mix of
+DTensor and plain gradients under tensor parallelism. This module only computes and applies the norm; it does not
+decide which process groups to combine.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 
 def clip_grad_norm_global(
@@ -18,19 +20,47 @@ def clip_grad_norm_global(
     """Scale gradients in place so that their norm over all ranks of `group` is at most `max_norm`.
 
     Each rank passes the parameters it alone owns (e.g. its pipeline stages); the squared norms are
-    summed over `group`. Matches `torch.nn.utils.clip_grad_norm_` (L2, eps 1e-6) on one process.
+    summed over `group`. DTensor gradients are first summed over the mesh dimensions they are sharded
+    on and counted once over those they are replicated on, so plain and DTensor parameters may mix.
+    Matches `torch.nn.utils.clip_grad_norm_` (L2, eps 1e-6) on one process.
     Returns the global norm before clipping.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
+    device = _local(grads[0]).device if grads else torch.device("cpu")
     # float32 explicitly: under bf16-true the default dtype would make the collective lossy.
     squares = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
-        squares += g.detach().float().pow(2).sum()
+        if not isinstance(g, DTensor):
+            squares += g.detach().float().pow(2).sum()
+    squares += _dtensor_squares([g for g in grads if isinstance(g, DTensor)], device)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
     total = squares.sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for g in grads:
-        g.mul_(scale.to(g.dtype))
+        local = _local(g)  # a view: scaling it scales the DTensor's shard in place
+        local.mul_(scale.to(local.dtype))
+    return total
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _dtensor_squares(grads: list[DTensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of DTensor gradients over their whole meshes, each element counted once."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    by_layout: dict[tuple[object, tuple[object, ...]], list[DTensor]] = {}
+    for g in grads:
+        if any(p.is_partial() for p in g.placements):  # pending sums: reduce before squaring
+            g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
+        by_layout.setdefault((g.device_mesh, tuple(g.placements)), []).append(g)
+    for (mesh, placements), members in by_layout.items():
+        squares = torch.zeros((), dtype=torch.float32, device=device)
+        for g in members:
+            squares += g.to_local().detach().float().pow(2).sum()
+        for dim, placement in enumerate(placements):
+            if placement.is_shard() and mesh.size(dim) > 1:  # type: ignore[attr-defined]
+                dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))  # type: ignore[attr-defined]
+        total += squares
     return total

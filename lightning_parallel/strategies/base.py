@@ -7,14 +7,17 @@ tensor plans; subclasses say how the world splits (`resolve_dims`) and what to c
 
 from __future__ import annotations
 
+import shutil
 from abc import abstractmethod
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -26,10 +29,22 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+from lightning_parallel.checkpoint import META_FILE, MODEL_KEY, partial_path, read_meta, replace_with
 from lightning_parallel.dims import ParallelDims
+
+# Flattened optimizer keys ("state.<param name>.exp_avg") are per parameter: no two ranks write the same
+# key with different values, and a checkpoint loads into any other split of the parameters.
+OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)  # Lightning's default is 30 minutes of a silent hang
 
@@ -173,3 +188,67 @@ class MeshStrategy(ParallelStrategy):
         if isinstance(tensor, torch.Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    # ---- sharded checkpoints (DCP), keyed by original parameter names ----------------------------
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the model must be split and the optimizers built before state can load into them
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizers itself
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return get_model_state_dict(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
+        assert self.lightning_module is not None
+        return get_optimizer_state_dict(self.lightning_module, optimizer, options=OPTIMIZER_OPTIONS)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Every rank writes its shards into `<path>.partial`; rank 0 then swaps it in for `<path>`."""
+        path = Path(self.broadcast(str(filepath)))
+        partial = partial_path(path)
+        if self.is_global_zero and partial.exists():
+            shutil.rmtree(partial)  # left by a crash during an earlier save
+        self.barrier()
+        shards = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
+        shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
+        dcp.save(shards, checkpoint_id=str(partial))
+        if self.is_global_zero:
+            torch.save(checkpoint, partial / META_FILE)
+        self.barrier()
+        if self.is_global_zero:
+            replace_with(partial, path)
+        self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        module = self.lightning_module
+        assert module is not None
+        path = Path(self.broadcast(str(checkpoint_path)))
+        meta = read_meta(path)
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(module)}
+        for i, optimizer in enumerate(optimizers):
+            state[f"optimizer_{i}"] = get_optimizer_state_dict(module, optimizer, options=OPTIMIZER_OPTIONS)
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(module, state[MODEL_KEY], options=StateDictOptions(strict=module.strict_loading))
+        for i, optimizer in enumerate(optimizers):
+            set_optimizer_state_dict(module, optimizer, state[f"optimizer_{i}"], options=OPTIMIZER_OPTIONS)
+        return meta
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # already loaded, shard by shard, in load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # already loaded in load_checkpoint

@@ -21,3 +21,6 @@ for config in configs:
     )
     results.append({"losses": losses, "state": local_state(task)})
 torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")
+# Leave together and tear down cleanly: gloo aborts ranks still connected at exit.
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()

@@ -1,0 +1,98 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP), keyed by the model's original parameter
+names, so a checkpoint written by any layout loads into any other, or into one plain process.
+
+A checkpoint is a directory: DCP's shard files for the model and optimizer state, plus `meta.pt` with
+everything else Lightning saves (loops, callbacks, epoch). This module reads and writes; the strategy
+decides who writes what and when (see strategies/base.py).
+
+Export to one file: `python -m lightning_parallel.checkpoint export CHECKPOINT_DIR OUT.ckpt`
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+META_FILE = "meta.pt"
+MODEL_KEY = "state_dict"
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    return Path(path).is_dir() and (Path(path) / META_FILE).is_file()
+
+
+def partial_path(path: Path) -> Path:
+    """Where a checkpoint is written before it replaces `path`: a crash never leaves `path` half-written."""
+    return path.with_name(path.name + ".partial")
+
+
+def replace_with(partial: Path, path: Path) -> None:
+    """Swap a finished checkpoint into place (rank 0 only), removing what was there."""
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+    os.replace(partial, path)
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    if not is_sharded_checkpoint(path):
+        raise FileNotFoundError(
+            f"{path} is not a sharded checkpoint (no {META_FILE} inside). HINT: pass the directory a "
+            "lightning_parallel strategy saved, e.g. <run>/checkpoints/last.ckpt"
+        )
+    return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+
+
+def load_module(module: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> None:
+    """Load a sharded checkpoint's model weights into one plain, whole module (no process group needed).
+
+    `module` is what the strategy saved: the LightningModule (keys like `model.block_0.attn.q.weight`).
+    """
+    read_meta(path)  # clear error for a wrong path
+    state = {MODEL_KEY: module.state_dict()}
+    dcp.load(state, checkpoint_id=str(path))
+    module.load_state_dict(state[MODEL_KEY], strict=strict)
+
+
+def export(path: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Write a sharded checkpoint as one ordinary `torch.save` file with the full `state_dict`."""
+    meta = read_meta(path)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".partial")
+    dcp_to_torch_save(path, tmp)
+    merged = {**meta, **torch.load(tmp, map_location="cpu", weights_only=False)}
+    torch.save(merged, tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_parallel.checkpoint", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    exporter = commands.add_parser("export", help="write a sharded checkpoint directory as one file")
+    exporter.add_argument("checkpoint", help="the checkpoint directory (e.g. <run>/checkpoints/last.ckpt)")
+    exporter.add_argument("out", help="the single file to write")
+    args = parser.parse_args(argv)
+    try:
+        written = export(args.checkpoint, args.out)
+    except FileNotFoundError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {written}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

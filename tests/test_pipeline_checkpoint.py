@@ -1,0 +1,74 @@
+"""Sharded checkpoints: saved as 2 stages, they load into one plain process and resume as 4 stages,
+matching a straight single-process run; the export command writes one ordinary file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import WORKERS, run_workers
+
+sys.path.insert(0, str(WORKERS))
+from pipeline_checkpoint import build  # noqa: E402
+
+from lightning_parallel.checkpoint import is_sharded_checkpoint, load_module  # noqa: E402
+
+
+def merged(results: list[dict]) -> dict[str, torch.Tensor]:
+    return {name: value for result in results for name, value in result["state"].items()}
+
+
+@pytest.mark.slow
+def test_save_as_two_stages_load_into_one_process_and_resume_as_four(tmp_path: Path) -> None:
+    saved = tmp_path / "checkpoints"
+    ckpt10, ckpt20 = saved / "step=10.ckpt", saved / "step=20.ckpt"
+    first = run_workers(
+        "pipeline_checkpoint",
+        2,
+        {"stages": 2, "steps": 10, "resume_from": None, "save_dir": str(saved)},
+        tmp_path / "a",
+    )
+    assert is_sharded_checkpoint(ckpt10) and not list(saved.glob("*.partial"))
+
+    # The straight single-process run: 10 steps, then 10 more.
+    trainer, task, data, recorder = build(1, 20, "auto")
+    trainer.fit(task, datamodule=data)
+    straight = {name: p.detach().clone() for name, p in task.model.named_parameters()}
+
+    # Into one process: the 10-step checkpoint equals the pipeline's own weights at step 10.
+    _, fresh, _, _ = build(1, 20, "auto")
+    load_module(fresh, ckpt10)
+    for name, value in merged(first).items():
+        torch.testing.assert_close(fresh.model.get_parameter(name), value, rtol=0, atol=0, msg=name)
+
+    # Resumed as 4 stages for steps 10..19: the same losses and weights as the straight run.
+    second = run_workers(
+        "pipeline_checkpoint",
+        4,
+        {"stages": 4, "steps": 20, "resume_from": str(ckpt10), "save_dir": str(saved)},
+        tmp_path / "b",
+    )
+    assert all(result["step"] == 20 for result in second)
+    resumed_losses = second[0]["losses"]
+    assert max(abs(a - b) for a, b in zip(resumed_losses, recorder.history["train/loss"][10:], strict=True)) < 1e-5
+    for name, value in merged(second).items():
+        torch.testing.assert_close(value, straight[name], rtol=0, atol=1e-5, msg=name)
+    assert merged(second).keys() == straight.keys()
+
+    # One documented command exports a plain single-file checkpoint.
+    out = tmp_path / "export" / "model.ckpt"
+    command = [sys.executable, "-m", "lightning_parallel.checkpoint", "export", str(ckpt20), str(out)]
+    subprocess.run(command, check=True, capture_output=True)
+    exported = torch.load(out, weights_only=False)
+    assert exported["global_step"] == 20
+    for name, value in straight.items():
+        torch.testing.assert_close(exported["state_dict"][f"model.{name}"], value, rtol=0, atol=1e-5)
+
+
+def test_load_from_a_wrong_path_is_one_clear_error(tmp_path: Path) -> None:
+    _, task, _, _ = build(1, 1, "auto")
+    with pytest.raises(FileNotFoundError, match="is not a sharded checkpoint"):
+        load_module(task, tmp_path)
