@@ -50,6 +50,30 @@ def put_gradients(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor |
         p.grad = g
 
 
+def keep_buffers_through_metadata_inference(schedule: object, modules: Sequence[nn.Module]) -> None:
+    """Undo what torch's shape inference does to module buffers.
+
+    On the first step of a schedule (torch 2.13), every stage runs one extra forward to infer shapes,
+    on the first micro-batch at stage 0 and on uninitialised memory elsewhere: BatchNorm running
+    statistics would silently absorb it. Buffers are saved before that step and restored after it.
+    """
+    infer = schedule._initialize_pp_stages  # type: ignore[attr-defined]
+    buffers = [b for module in modules for b in module.buffers()]
+    if not buffers:
+        return
+
+    def guarded(*args: object, **kwargs: object) -> object:
+        saved = [b.detach().clone() for b in buffers]
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for buffer, value in zip(buffers, saved, strict=True):
+                    buffer.copy_(value)
+
+    schedule._initialize_pp_stages = guarded  # type: ignore[attr-defined]
+
+
 class PipelineRuntime:
     """The local stages of one pipeline rank and their schedules, one per (mode, input shape).
 
@@ -124,6 +148,7 @@ class PipelineRuntime:
                 schedule = spec.torch_class(stages[0], n_microbatches=count, loss_fn=loss_fn)
             else:
                 schedule = spec.torch_class(stages, n_microbatches=count, loss_fn=loss_fn)
+            keep_buffers_through_metadata_inference(schedule, list(self.stage_modules.values()))
             self._schedules[key] = schedule
             self.microbatches_used[key] = (name, count)
         return self._schedules[key]

@@ -1,0 +1,124 @@
+"""Lightning-feature scenarios run once under a pipeline strategy (worker) and once in one process (test).
+
+Each scenario returns plain numbers, so the test can compare the two runs value by value.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from common import TINY_GPT
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_parallel.callbacks import RunSummary
+from lightning_parallel.data import SyntheticImagesDataModule, SyntheticTokensDataModule
+from lightning_parallel.models import GPT, ResNet
+from lightning_parallel.tasks import ClassificationTask, LanguageModelTask
+
+SGD = partial(torch.optim.SGD, lr=0.5, momentum=0.9)
+QUIET = {"enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0}
+
+
+def _trainer(strategy: Any, devices: int, callbacks: list, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, callbacks=callbacks, **QUIET, **kwargs)
+
+
+def lightning_loops(strategy: Any, devices: int, out: Path) -> dict[str, Any]:
+    """fit with validation, checkpoint/early-stopping monitors, LR scheduler and monitor; then
+    validate, test and predict on the trained model."""
+    pl.seed_everything(0, verbose=False)
+    data = SyntheticTokensDataModule(vocab_size=16, seq_len=8, num_samples=72, batch_size=16, seed=0)
+    recorder, lr_monitor = RunSummary(), LearningRateMonitor(logging_interval="step")
+    checkpoint = ModelCheckpoint(dirpath=out / "ckpt", monitor="val/loss", mode="min", save_top_k=1)
+    stopper = EarlyStopping(monitor="val/loss", mode="min", patience=10)
+    logger = CSVLogger(out, name="csv", version="")
+    trainer = _trainer(
+        strategy, devices, [recorder, lr_monitor, checkpoint, stopper], max_epochs=3, logger=logger, log_every_n_steps=1
+    )
+    with trainer.init_module():
+        model = GPT(**TINY_GPT)
+    scheduler = partial(torch.optim.lr_scheduler.StepLR, step_size=3, gamma=0.5)
+    task = LanguageModelTask(model, optimizer=SGD, scheduler=scheduler)
+    trainer.fit(task, datamodule=data)
+    callback_loss = float(trainer.callback_metrics["val/loss"])
+    validated = trainer.validate(task, datamodule=data, verbose=False)[0]
+    tested = trainer.test(task, datamodule=data, verbose=False)[0]
+    predictions = torch.cat(trainer.predict(task, datamodule=data))
+    return {
+        "train_loss": recorder.history["train/loss"],
+        "val_loss": recorder.history["val/loss"],
+        "validate": validated,
+        "test": tested,
+        "predictions": predictions,
+        "best_score": float(checkpoint.best_model_score),
+        "best_exists": Path(checkpoint.best_model_path).exists(),
+        "stopped_epoch": stopper.stopped_epoch,
+        "callback_loss": callback_loss,
+    }
+
+
+def uneven_batches(strategy: Any, devices: int, out: Path) -> dict[str, Any]:
+    """Global batch 6 (not divisible by 4 micro-batches), last training batch 2 (< 4 micro-batches),
+    validation batches 6 and 1."""
+    pl.seed_everything(0, verbose=False)
+    data = SyntheticTokensDataModule(
+        vocab_size=16, seq_len=8, num_samples=23, batch_size=6, val_fraction=0.3, seed=0
+    )  # 16 train (6, 6, 4), 7 val (6, 1)
+    recorder = RunSummary()
+    trainer = _trainer(strategy, devices, [recorder], max_epochs=2, logger=False, enable_checkpointing=False)
+    with trainer.init_module():
+        model = GPT(**TINY_GPT)
+    task = LanguageModelTask(model, optimizer=SGD)
+    trainer.fit(task, datamodule=data)
+    return {"train_loss": recorder.history["train/loss"], "val_loss": recorder.history["val/loss"]}
+
+
+def batchnorm_one_microbatch(strategy: Any, devices: int, out: Path) -> dict[str, Any]:
+    """ResNet-18 (BatchNorm) with one micro-batch: statistics over the whole batch, as in one process."""
+    pl.seed_everything(0, verbose=False)
+    data = SyntheticImagesDataModule(num_samples=40, channels=3, image_size=8, num_classes=4, batch_size=8, seed=0)
+    recorder = RunSummary()
+    trainer = _trainer(
+        strategy, devices, [recorder], max_steps=6, logger=False, enable_checkpointing=False, limit_val_batches=0
+    )
+    with trainer.init_module():
+        model = ResNet(depth=18, in_channels=3, num_classes=4)
+    task = ClassificationTask(model, num_classes=4, optimizer=partial(torch.optim.SGD, lr=0.05, momentum=0.9))
+    trainer.fit(task, datamodule=data)
+    buffers = {name: b.detach().clone() for name, b in task.model.named_buffers() if "running" in name}
+    params = {name: p.detach().clone() for name, p in task.model.named_parameters()}
+    return {"train_loss": recorder.history["train/loss"], "buffers": buffers, "params": params}
+
+
+def bf16_mixed(strategy: Any, devices: int, out: Path) -> dict[str, Any]:
+    pl.seed_everything(0, verbose=False)
+    data = SyntheticTokensDataModule(vocab_size=16, seq_len=8, num_samples=200, batch_size=16, seed=0)
+    recorder = RunSummary()
+    trainer = _trainer(
+        strategy,
+        devices,
+        [recorder],
+        max_steps=8,
+        logger=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        precision="bf16-mixed",
+    )
+    with trainer.init_module():
+        model = GPT(**TINY_GPT)
+    task = LanguageModelTask(model, optimizer=SGD)
+    trainer.fit(task, datamodule=data)
+    return {"train_loss": recorder.history["train/loss"]}
+
+
+SCENARIOS = {
+    "lightning_loops": (lightning_loops, {"schedule": "1f1b", "microbatches": 4}),
+    "uneven_batches": (uneven_batches, {"schedule": "1f1b", "microbatches": 4}),
+    "batchnorm_one_microbatch": (batchnorm_one_microbatch, {"schedule": "gpipe", "microbatches": 1}),
+    "bf16_mixed": (bf16_mixed, {"schedule": "1f1b", "microbatches": 4}),
+}
