@@ -106,6 +106,9 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, Task, pl.LightningDataModule, Ru
         with trainer.init_module():
             model = build_model(cfg, data.model_hints)
         task = build_task(cfg, model, data)
+        validate = getattr(trainer.strategy, "validate", None)  # our strategies check the model pre-launch
+        if callable(validate):
+            validate(task)
     except ConfigError:
         raise
     except MissingMandatoryValue as error:
@@ -122,12 +125,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """Run `fit` as configured and return the summary (also written to `<output_dir>/summary.json`)."""
     trainer, task, data, recorder = build(cfg)
     parameters = sum(p.numel() for p in task.model.parameters())  # before a strategy splits the model
+    environment = dict(os.environ)
     try:
         trainer.fit(task, datamodule=data)
     finally:
-        # Lightning leaves the process group up; the next job of a sweep must start its own.
+        # Lightning leaves the process group and its launcher's variables (LOCAL_RANK, MASTER_PORT, ...)
+        # behind; the next job of a sweep must launch its own processes and start its own group.
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environment)
     if trainer.interrupted:
         raise RuntimeError("training was interrupted; no summary.json written")
     summary = {

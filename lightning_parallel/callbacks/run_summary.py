@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 
@@ -22,6 +23,15 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+def local_parameter_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the parameters this process holds (its shard of a DTensor, its stages of a pipeline)."""
+    total = 0
+    for p in module.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        total += local.numel() * local.element_size()
+    return total
 
 
 class RunSummary(pl.Callback):
@@ -74,26 +84,32 @@ class RunSummary(pl.Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         wall = time.perf_counter() - self._fit_start
         strategy = trainer.strategy
+        local = torch.tensor(
+            [
+                self._local_samples,
+                peak_memory_bytes(strategy.root_device),
+                local_parameter_bytes(pl_module),
+                round(self._step_seconds * 1e6),  # microseconds: one int64 gather for everything
+            ],
+            dtype=torch.int64,
+        )
+        per_rank = strategy.all_gather(local.to(strategy.root_device)).cpu().reshape(-1, 4)
         # Ranks of one data-parallel replica see the same batch; count each sample once.
         replicas = (getattr(strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1)
-        local = torch.tensor([self._local_samples, peak_memory_bytes(strategy.root_device)], dtype=torch.int64)
-        gathered = strategy.all_gather(local.to(strategy.root_device)).cpu().reshape(-1, 2)
-        samples = int(gathered[:, 0].sum()) * replicas // max(trainer.world_size, 1)
-        step_seconds = float(
-            strategy.reduce(
-                torch.tensor(self._step_seconds, dtype=torch.float64, device=strategy.root_device),
-                reduce_op="max",
-            )
-        )
+        samples = int(per_rank[:, 0].sum()) * replicas // max(trainer.world_size, 1)
+        step_seconds = [int(us) / 1e6 for us in per_rank[:, 3]]
+        steps = trainer.global_step
         self.summary = {
-            "steps": trainer.global_step,
+            "steps": steps,
             "epochs": trainer.current_epoch,
             "wall_time_s": wall,
-            "train_time_s": step_seconds,
+            "train_time_s": max(step_seconds),
             "samples": samples,
-            "throughput_samples_per_s": samples / step_seconds if step_seconds > 0 else None,
-            "step_time_s": step_seconds / trainer.global_step if trainer.global_step else None,
-            "peak_memory_bytes": [int(b) for b in gathered[:, 1]],
+            "throughput_samples_per_s": samples / max(step_seconds) if max(step_seconds) > 0 else None,
+            "step_time_s": max(step_seconds) / steps if steps else None,
+            "step_time_s_per_rank": [t / steps for t in step_seconds] if steps else None,
+            "peak_memory_bytes": [int(b) for b in per_rank[:, 1]],
+            "parameter_bytes_per_rank": [int(b) for b in per_rank[:, 2]],
             "metrics": {name: self._describe(name, values) for name, values in self.history.items()},
         }
 

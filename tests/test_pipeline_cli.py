@@ -1,0 +1,89 @@
+"""The pipeline strategy from train.py: SimpleCNN, ResNet-152 and the transformer on 4 CPU processes (ResNet-18
+runs under the strategy in test_pipeline_features.py), in one sweep, which
+also checks that consecutive multi-process jobs each get a fresh process group), and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+from train import ConfigError, build
+
+TINY = [
+    "trainer.accelerator=cpu",
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=3",
+    "trainer.limit_val_batches=1",
+    "callbacks=none",
+    "logger=csv",
+]
+TINY_IMAGES = [
+    "data=synthetic_images",
+    "data.image_size=16",
+    "data.num_classes=10",
+    "data.num_samples=64",
+    "data.batch_size=16",
+]
+
+
+@pytest.mark.slow
+def test_every_model_trains_on_four_pipeline_stages(tmp_path: Path) -> None:
+    images = run_cli(
+        "-m",
+        "strategy=pipeline",
+        "trainer.devices=4",
+        "model=simple_cnn,resnet152",
+        *TINY_IMAGES,
+        *TINY,
+        cwd=tmp_path,
+        timeout=400,
+    )
+    assert images.returncode == 0, images.stderr[-3000:]
+    tokens = run_cli(
+        "strategy=pipeline",
+        "trainer.devices=4",
+        "model=transformer",
+        "data=synthetic_tokens",
+        "data.seq_len=16",
+        "data.batch_size=8",
+        *TINY,
+        "hydra.run.dir=tokens",
+        cwd=tmp_path,
+    )
+    assert tokens.returncode == 0, tokens.stderr[-3000:]
+    summaries = [json.loads(p.read_text()) for p in sorted(tmp_path.rglob("summary.json"))]
+    assert sorted(s["model"] for s in summaries) == ["GPT", "ResNet", "SimpleCNN"]
+    for summary in summaries:
+        parallel = summary["parallel"]
+        assert summary["world_size"] == 4 and parallel["pipeline_size"] == 4
+        assert len(parallel["stages"]) == 4 and 0 < parallel["bubble_fraction"] < 1
+        assert len(summary["parameter_bytes_per_rank"]) == 4 and len(summary["step_time_s_per_rank"]) == 4
+        # No rank holds the whole model: each holds its stages only.
+        assert sum(summary["parameter_bytes_per_rank"]) == summary["parameters"] * 4
+        if summary["parameters"] > 50_000_000:  # ResNet-152 (ResNet-18 has too few blocks to balance)
+            assert max(summary["parameter_bytes_per_rank"]) <= 1.15 * summary["parameters"] * 4 / 4
+
+
+BAD = {
+    "devices not divisible": (["trainer.devices=3", "strategy.data_parallel_size=2"], "world size 3"),
+    "more stages than blocks": (["trainer.devices=8"], "cannot split 5 blocks into 8 stages"),
+    "unknown schedule": (["trainer.devices=2", "strategy.schedule=zigzag"], "zigzag"),
+    "zero micro-batches": (["trainer.devices=2", "strategy.microbatches=0"], "microbatches=0"),
+    "wrong stages per rank": (
+        ["trainer.devices=2", "strategy.schedule=zbv", "strategy.stages_per_rank=3"],
+        "exactly 2 stages per rank",
+    ),
+    "network attribute missing": (["trainer.devices=2", "strategy.network_attr=net"], "nn.Sequential"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_pipeline_input_fails_before_launch(compose_cfg, case: str) -> None:
+    overrides, expected = BAD[case]
+    cfg = compose_cfg("strategy=pipeline", "trainer.accelerator=cpu", *overrides)
+    with pytest.raises(ConfigError, match=expected) as error:
+        build(cfg)
+    assert "HINT" in str(error.value) and "\n" not in str(error.value)
