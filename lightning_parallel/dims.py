@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -131,11 +132,13 @@ class ParallelDims:
             )
         return rank // (self.pp * self.tp), (rank // self.tp) % self.pp, rank % self.tp
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
+    def build_mesh(self, device_type: str, *, timeout: timedelta | None = None) -> DeviceMesh:
         """Build the 3-D device mesh with dimensions named ``dp``, ``pp``, ``tp`` (sizes of 1 included).
 
         Args:
             device_type: ``"cpu"`` (gloo) or ``"cuda"`` (nccl), as understood by ``init_device_mesh``.
+            timeout: how long collectives of the mesh's groups may wait; torch would give new groups its
+                30-minute default, whatever the default group was created with.
 
         Returns:
             The mesh; slice it by name, e.g. ``mesh["pp"].get_group()``.
@@ -157,7 +160,15 @@ class ParallelDims:
                 f"{_factors(self._sizes())} = {self.world_size} != process group size {actual}. "
                 f"HINT: resolve the sizes with ParallelDims.resolve({actual}, ...)."
             )
-        return init_device_mesh(device_type, (self.dp, self.pp, self.tp), mesh_dim_names=_AXES)
+        override = None
+        if timeout is not None:
+            backend = dist.get_backend()
+            options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            override = {name: (backend, options) for name in _AXES}
+        return init_device_mesh(
+            device_type, (self.dp, self.pp, self.tp), mesh_dim_names=_AXES, backend_override=override
+        )
 
     def _sizes(self) -> dict[str, int]:
         return {"dp": self.dp, "pp": self.pp, "tp": self.tp}

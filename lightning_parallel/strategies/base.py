@@ -8,6 +8,7 @@ tensor plans; subclasses say how the world splits (`resolve_dims`) and what to c
 from __future__ import annotations
 
 import shutil
+import signal
 from abc import abstractmethod
 from collections.abc import Callable
 from datetime import timedelta
@@ -153,13 +154,20 @@ class MeshStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         self._dims = self.resolve_dims(self.world_size)
-        self._mesh = self.dims.build_mesh(self.root_device.type)
+        self._mesh = self.dims.build_mesh(self.root_device.type, timeout=self._timeout)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Lightning kills the processes it launched only on KeyboardInterrupt; after any other error a
+        # peer stuck in a collective (or in user code) would be orphaned. Stop them all now.
+        if isinstance(self.launcher, _SubprocessScriptLauncher):
+            self.launcher.kill(signal.SIGKILL)
 
     def group(self, dim: str) -> dist.ProcessGroup:
         """The process group of this rank along one mesh dimension ("dp", "pp" or "tp")."""

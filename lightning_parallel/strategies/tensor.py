@@ -1,0 +1,265 @@
+"""TensorParallelStrategy: the layers a plan names are split across the ranks of a tensor-parallel group (DTensor
+`parallelize_module`), optionally times data-parallel replicas that FSDP2 keeps in sync.
+
+The plan is the `plan` argument, else the network's `tp_plan` attribute, else an automatic one; a LightningModule
+that overrides `configure_model()` parallelises itself instead. Plan mechanics live in `tensor/plans.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+from lightning_parallel.dims import ParallelDims
+from lightning_parallel.precision import clip_grad_norm_global, clip_grad_value_mixed
+from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
+from lightning_parallel.strategies.pipeline import materialize
+from lightning_parallel.tensor.plans import STYLES, apply_plan, auto_plan, check_plan, expand_plan
+
+
+class TensorParallelStrategy(MeshStrategy):
+    """Tensor parallelism (optionally x data parallelism) as a Lightning strategy; devices = dp x tp.
+
+    Contract with the LightningModule: the network is an `nn.Module` at `network_attr`. Its plan is a dict of
+    module-name patterns to style names (see `lightning_parallel.tensor.STYLES`). If the LightningModule overrides
+    `configure_model()`, that hook runs instead of a plan, with the mesh at `self.device_mesh` (dims "dp", "pp",
+    "tp"). With data_parallel_size > 1 the network is wrapped with FSDP2 `fully_shard` over "dp" unless the hook
+    already did, so replicas never drift.
+
+    Args:
+        tensor_parallel_size: ranks that share one copy of the model; None derives it from the devices.
+        data_parallel_size: model replicas; None derives it from the devices.
+        plan: {pattern: style} overriding the network's own `tp_plan`, "auto" to pair Linear layers, or None
+            (the network's `tp_plan`, else "auto").
+        sequence_parallel: also split norms and the residual stream along the sequence (plans that have
+            "sequence_parallel" entries, e.g. GPT's).
+        network_attr: where the LightningModule keeps its network.
+        timeout: seconds (or timedelta) a collective may wait before the run fails.
+        process_group_backend: None picks gloo on CPU and nccl on GPU.
+    """
+
+    strategy_name = "tensor_parallel"
+
+    def __init__(
+        self,
+        *,
+        tensor_parallel_size: int | None = None,
+        data_parallel_size: int | None = 1,
+        plan: Mapping[str, str] | str | None = None,
+        sequence_parallel: bool = False,
+        network_attr: str = "model",
+        timeout: float | timedelta = DEFAULT_TIMEOUT,
+        process_group_backend: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(timeout=timeout, process_group_backend=process_group_backend, **kwargs)
+        for name, size in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
+            if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+                raise ValueError(f"{name}={size!r} must be an integer >= 1, or None to derive it. HINT: {name}=2")
+        if isinstance(plan, str) and plan != "auto":
+            raise ValueError(
+                f"plan={plan!r} is not a plan. HINT: plan='auto', a dict like {{'block_*.attn.q': 'colwise'}} with "
+                f"styles from {', '.join(STYLES)}, or None for the model's own tp_plan"
+            )
+        self.tensor_parallel_size = tensor_parallel_size
+        self.data_parallel_size = data_parallel_size
+        self.plan = dict(plan) if isinstance(plan, Mapping) else plan
+        self.sequence_parallel = sequence_parallel
+        self.network_attr = network_attr
+        self._description: dict[str, Any] | None = None
+
+    # ---- sizes and validation (main process, before launch) -------------------------------------
+    @override
+    def resolve_dims(self, world_size: int) -> ParallelDims:
+        return ParallelDims.resolve(world_size, dp=self.data_parallel_size, pp=1, tp=self.tensor_parallel_size)
+
+    @override
+    def validate(self, module: pl.LightningModule) -> None:
+        network = self.network_of(module)
+        if self._description is None and not is_overridden("configure_model", module):
+            self.resolve_plan(network)
+
+    def network_of(self, module: pl.LightningModule) -> nn.Module:
+        network = getattr(module, self.network_attr, None)
+        if not isinstance(network, nn.Module):
+            found = type(network).__name__ if network is not None else "nothing"
+            raise ValueError(
+                f"tensor parallelism needs the network as an nn.Module at `{type(module).__name__}.{self.network_attr}`"
+                f"; found {found}. HINT: store it there, or pass network_attr='<attribute>' to TensorParallelStrategy"
+            )
+        return network
+
+    def resolve_plan(self, network: nn.Module) -> tuple[str, dict[str, str], dict[str, str]]:
+        """(source, exact-name plan, why each unplanned module stays whole), checked against this run's sizes."""
+        tp = self.dims.tp
+        own = getattr(network, "tp_plan", None)
+        replicated: dict[str, str] = {}
+        if self.plan == "auto" or (self.plan is None and own is None):
+            found = auto_plan(network, tensor_parallel_size=tp)
+            source, plan, replicated = "auto", found.plan, found.replicated
+        else:
+            source = "argument" if self.plan is not None else "model"
+            plan = expand_plan(network, self.plan if isinstance(self.plan, dict) else own)  # type: ignore[arg-type]
+        check_plan(network, plan, tensor_parallel_size=tp, sequence_parallel=self.sequence_parallel)
+        return source, plan, replicated
+
+    # ---- set-up in every process ---------------------------------------------------------------
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        # empty_init=True builds on the meta device; setup() materialises with the network's init_weights().
+        device = torch.device("meta") if empty_init else self.root_device
+        with device, self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.lightning_module is not None:  # the Lightning way: configure_model() finds the mesh on the module
+            self.lightning_module._device_mesh = self.device_mesh
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        if self._description is None:  # first set-up of this model; later fit/validate calls reuse it
+            self._description = self._parallelize(module, self.network_of(module))
+            if self.global_rank == 0:
+                d = self._description
+                rank_zero_info(
+                    f"TensorParallelStrategy: tp={d['tensor_parallel_size']} x dp={d['data_parallel_size']}, plan from "
+                    f"{d['plan_source']}: {len(d['sharded'])} modules sharded, {len(d['replicated'])} replicated "
+                    f"(lists in describe()); parameter bytes per rank {d['parameter_bytes_per_rank']}"
+                )
+        self.model = self.precision_plugin.convert_module(module)
+        self.model_to_device()
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        self.precision_plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
+        self.barrier()
+        if trainer.state.fn == "fit":
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _parallelize(self, module: pl.LightningModule, network: nn.Module) -> dict[str, Any]:
+        replicated_why: dict[str, str] = {}
+        plan: dict[str, str] = {}
+        if is_overridden("configure_model", module):
+            source = "configure_model"  # Lightning already called it, with the mesh on the module
+        else:
+            source, plan, replicated_why = self.resolve_plan(network)  # raises on every rank before any collective
+            materialize(network, self.root_device)
+            _broadcast_from_rank0(network)  # tensor peers and replicas start identical whatever each rank drew
+            apply_plan(network, plan, self.device_mesh["tp"], sequence_parallel=self.sequence_parallel)
+        if self.dims.dp > 1:
+            self._shard_over_replicas(module, network)
+        return self._describe(source, plan, replicated_why, network)
+
+    def _shard_over_replicas(self, module: pl.LightningModule, network: nn.Module) -> None:
+        """FSDP2 over "dp" (per child of the network, then the network) unless configure_model() already did it."""
+        if not any(isinstance(m, FSDPModule) for m in module.modules()):
+            dp_mesh = self.device_mesh["dp"]
+            for child in network.children():
+                if any(p.requires_grad for p in child.parameters()):
+                    fully_shard(child, mesh=dp_mesh)
+            fully_shard(network, mesh=dp_mesh)
+        loose = [name for name, p in module.named_parameters() if not _spans(p, "dp")]
+        if loose:
+            raise RuntimeError(
+                f"with data_parallel_size {self.dims.dp}, parameters {loose[:3]} are not sharded over the 'dp' mesh "
+                "dimension, so replicas would drift apart. HINT: keep every parameter inside the network, or call "
+                "fully_shard(..., mesh=self.device_mesh['dp']) on them in configure_model()"
+            )
+
+    def _describe(
+        self, source: str, plan: dict[str, str], replicated_why: dict[str, str], network: nn.Module
+    ) -> dict[str, Any]:
+        sharded: dict[str, str] = {}
+        replicated: list[str] = []
+        for name, mod in network.named_modules():
+            params = list(mod.parameters(recurse=False))
+            if any(_spans(p, "tp", sharded=True) for p in params):
+                sharded[name] = plan.get(name, "custom")
+            elif params:
+                replicated.append(name)
+        local = sum(_local(p).numel() * p.element_size() for p in network.parameters())
+        per_rank: list[int] = [0] * self.world_size
+        dist.all_gather_object(per_rank, local)
+        description: dict[str, Any] = {
+            "tensor_parallel_size": self.dims.tp,
+            "data_parallel_size": self.dims.dp,
+            "sequence_parallel": self.sequence_parallel,
+            "plan_source": source,
+            "sharded": sharded,
+            "replicated": replicated,
+            "parameter_bytes": sum(p.numel() * p.element_size() for p in network.parameters()),
+            "parameter_bytes_per_rank": per_rank,
+        }
+        if replicated_why:
+            description["replicated_why"] = replicated_why
+        return description
+
+    def describe(self) -> dict[str, Any]:
+        """Plan applied (modules sharded / replicated) and parameter bytes per rank, for summary.json."""
+        if self._description is None:
+            raise RuntimeError("TensorParallelStrategy.describe() has something to say once the strategy is set up")
+        return dict(self._description)
+
+    # ---- the step ------------------------------------------------------------------------------
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._average_buffers_over_replicas()
+        return result
+
+    def _average_buffers_over_replicas(self) -> None:
+        """FSDP2 syncs gradients, not buffers: average running statistics (BatchNorm) so replicas stay identical."""
+        if self.dims.dp == 1:
+            return
+        assert self.lightning_module is not None
+        for buffer in self.network_of(self.lightning_module).buffers():
+            local = _local(buffer)
+            if local.is_floating_point():
+                dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.group("dp"))
+                local.div_(self.dims.dp)
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_norm_global(params, float(clip_val))  # DTensor grads are summed over their own meshes
+
+    def _clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_value_mixed(params, float(clip_val))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _spans(param: torch.Tensor, dim: str, *, sharded: bool = False) -> bool:
+    """Whether `param` is a DTensor over mesh dimension `dim` (and, if `sharded`, split along it)."""
+    if not isinstance(param, DTensor):
+        return False
+    names = param.device_mesh.mesh_dim_names or ()
+    return any(
+        name == dim and not (sharded and p.is_replicate()) for name, p in zip(names, param.placements, strict=True)
+    )
+
+
+def _broadcast_from_rank0(network: nn.Module) -> None:
+    with torch.no_grad():
+        for tensor in [*network.parameters(), *network.buffers()]:
+            dist.broadcast(tensor.data, src=0)

@@ -1,0 +1,59 @@
+"""A rank that raises or hangs brings every rank down within seconds: the original error is shown
+once, the run exits non-zero, and no process is left behind."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+from distributed import WORKERS
+
+RUN = [
+    "strategy=pipeline",
+    "trainer.devices=2",
+    "trainer.accelerator=cpu",
+    "trainer.max_epochs=1",
+    "callbacks=none",
+    "logger=csv",
+]
+
+
+def fail(tmp_path: Path, mode: str, *extra: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    inject = f"+callbacks.fail={{_target_:failing.FailAt,rank:1,step:2,mode:{mode}}}"
+    start = time.monotonic()
+    result = run_cli(
+        *RUN,
+        inject,
+        *extra,
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+        timeout=120,
+        env={"PYTHONPATH": str(WORKERS)},
+    )
+    return result, time.monotonic() - start
+
+
+def leftovers(tmp_path: Path) -> str:
+    time.sleep(1)
+    return subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True).stdout
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_stops_the_run(tmp_path: Path) -> None:
+    result, seconds = fail(tmp_path, "raise")
+    assert result.returncode != 0
+    assert result.stderr.count("RuntimeError: injected failure on rank 1") == 1, result.stderr[-3000:]
+    assert seconds < 40
+    assert not leftovers(tmp_path)
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_a_rank_that_hangs_times_out(tmp_path: Path) -> None:
+    result, seconds = fail(tmp_path, "hang", "strategy.timeout=5")
+    assert result.returncode != 0
+    assert seconds < 60, f"took {seconds:.0f} s"
+    assert not leftovers(tmp_path)

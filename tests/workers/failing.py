@@ -1,0 +1,20 @@
+"""A callback that makes one rank fail on purpose: raise, or hang while alive."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+
+
+class FailAt(pl.Callback):
+    def __init__(self, *, rank: int, step: int, mode: str) -> None:
+        self.rank, self.step, self.mode = rank, step, mode
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if trainer.global_rank != self.rank or trainer.global_step != self.step:
+            return
+        if self.mode == "raise":
+            raise RuntimeError(f"injected failure on rank {self.rank}")
+        time.sleep(600)  # alive but stuck: its peers wait in a collective until the timeout
