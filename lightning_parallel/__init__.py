@@ -14,11 +14,14 @@ from lightning.pytorch.strategies import StrategyRegistry
 # public name -> module that defines it
 _LAZY = {
     "PipelineParallelStrategy": "lightning_parallel.strategies.pipeline",
+    "TensorParallelStrategy": "lightning_parallel.strategies.tensor",
     "ParallelDims": "lightning_parallel.dims",
 }
 # registry name -> (class name, description)
 _REGISTERED = {
     "pipeline": ("PipelineParallelStrategy", "Pipeline parallelism over torch.distributed.pipelining"),
+    "tensor_parallel": ("TensorParallelStrategy", "Tensor parallelism: plans as data over DTensor parallelize_module"),
+    "tensor": ("TensorParallelStrategy", "Tensor parallelism (alias of tensor_parallel)"),
 }
 
 

@@ -76,3 +76,19 @@ def _seeded_rng(device: torch.device, seed: int) -> Iterator[None]:
         torch.default_generator.manual_seed(seed)
         device_mod.manual_seed(seed)
         yield
+
+
+def materialize(network: nn.Module, device: torch.device) -> None:
+    """Give meta-device parameters real storage and name-keyed initial values; move the rest."""
+    on_meta = any(t.is_meta for t in [*network.parameters(), *network.buffers()])
+    if not on_meta:
+        network.to(device)
+        return
+    init_weights = getattr(network, "init_weights", None)
+    if not callable(init_weights):
+        raise RuntimeError(
+            f"{type(network).__name__} was built on the meta device but has no init_weights() to initialise "
+            "its stages. HINT: build it outside trainer.init_module(), or give it an init_weights() method"
+        )
+    network.to_empty(device=device)
+    init_weights()

@@ -99,6 +99,10 @@ class ResNet(nn.Sequential):
     """
 
     input_kind = "image"
+    # Tensor-parallel plan (module-name pattern -> style name, applied by a strategy): in every residual block conv1
+    # is split by output channels, bn1 runs on those channel shards, conv2 is split by input channels (one
+    # all-reduce per block). Stem, the rest of each block, shortcuts and head stay whole.
+    tp_plan = {"layer*.conv1": "conv_colwise", "layer*.bn1": "batchnorm_sharded", "layer*.conv2": "conv_rowwise"}
 
     def __init__(self, *, depth: int, in_channels: int = 3, num_classes: int = 1000) -> None:
         if depth not in _LAYOUTS:

@@ -26,6 +26,9 @@ class SimpleCNN(nn.Sequential):
     """
 
     input_kind = "image"
+    # Tensor-parallel plan (module-name pattern -> style name, applied by a strategy): conv1 split by output
+    # channels and conv2 by input channels (one all-reduce); fc1 column- and fc2 row-parallel; the head stays whole.
+    tp_plan = {"conv1.0": "conv_colwise", "conv2.0": "conv_rowwise", "fc1.1": "colwise", "fc2.0": "rowwise"}
 
     def __init__(self, *, in_channels: int, image_size: int, num_classes: int) -> None:
         if image_size < 4:

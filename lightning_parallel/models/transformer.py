@@ -158,6 +158,23 @@ class GPT(nn.Sequential):
     """
 
     input_kind = "tokens"
+    # Tensor-parallel plan (module-name pattern -> style name, applied by a strategy): Megatron-style, heads split
+    # across ranks (q/k/v column-parallel, proj row-parallel; MLP up column, down row), vocabulary-parallel
+    # embedding and LM head. The "sequence_parallel"/"shard_sequence" entries act only with sequence parallelism.
+    tp_plan = {
+        "embed.token": "vocab_parallel",
+        "embed": "shard_sequence",
+        "block_*.ln1": "sequence_parallel",
+        "block_*.attn.q": "colwise",
+        "block_*.attn.k": "colwise",
+        "block_*.attn.v": "colwise",
+        "block_*.attn.proj": "rowwise",
+        "block_*.ln2": "sequence_parallel",
+        "block_*.mlp.up": "colwise",
+        "block_*.mlp.down": "rowwise",
+        "head.norm": "sequence_parallel",
+        "head.lm_head": "colwise_gather",
+    }
 
     def __init__(
         self,

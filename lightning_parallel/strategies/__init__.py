@@ -2,5 +2,6 @@
 
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
+from lightning_parallel.strategies.tensor import TensorParallelStrategy
 
-__all__ = ["MeshStrategy", "PipelineParallelStrategy"]
+__all__ = ["MeshStrategy", "PipelineParallelStrategy", "TensorParallelStrategy"]

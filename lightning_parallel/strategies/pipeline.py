@@ -20,6 +20,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_parallel.dims import ParallelDims
+from lightning_parallel.models.init import materialize
 from lightning_parallel.pipeline.partition import Partition, make_partition, prune_to_blocks, stage_module
 from lightning_parallel.pipeline.runtime import PipelineRuntime, put_gradients, take_gradients
 from lightning_parallel.pipeline.schedule_plan import ScheduleSpec, analytic_bubble, resolve_schedule
@@ -328,19 +329,3 @@ class PipelineParallelStrategy(MeshStrategy):
             "stage_to_rank": list(partition.stage_to_rank),
             "imbalance": partition.imbalance,
         }
-
-
-def materialize(network: nn.Module, device: torch.device) -> None:
-    """Give meta-device parameters real storage and name-keyed initial values; move the rest."""
-    on_meta = any(t.is_meta for t in [*network.parameters(), *network.buffers()])
-    if not on_meta:
-        network.to(device)
-        return
-    init_weights = getattr(network, "init_weights", None)
-    if not callable(init_weights):
-        raise RuntimeError(
-            f"{type(network).__name__} was built on the meta device but has no init_weights() to initialise "
-            "its stages. HINT: build it outside trainer.init_module(), or give it an init_weights() method"
-        )
-    network.to_empty(device=device)
-    init_weights()

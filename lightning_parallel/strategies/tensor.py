@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_parallel.dims import ParallelDims
+from lightning_parallel.models.init import materialize
 from lightning_parallel.precision import clip_grad_norm_global, clip_grad_value_mixed
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
-from lightning_parallel.strategies.pipeline import materialize
 from lightning_parallel.tensor.plans import STYLES, apply_plan, auto_plan, check_plan, expand_plan
 
 

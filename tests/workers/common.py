@@ -62,3 +62,86 @@ def fit_tiny_gpt(
 
 def local_state(task: LanguageModelTask) -> dict[str, torch.Tensor]:
     return {name: p.detach().cpu().clone() for name, p in task.model.named_parameters()}
+
+
+def fit_model(
+    strategy: Any,
+    *,
+    model: str,
+    devices: int,
+    global_batch: int,
+    replicas: int,
+    steps: int,
+    seed: int = 0,
+    task_class: type[pl.LightningModule] | None = None,
+    **trainer_kwargs: Any,
+) -> tuple[pl.LightningModule, list[float], pl.Trainer]:
+    """Fit a tiny "gpt" (4 heads, so TP=4 works), "simple_cnn" or "resnet18" with SGD; returns task, losses, trainer.
+
+    `task_class` replaces the default task class (LanguageModelTask / ClassificationTask), e.g. by a subclass.
+    """
+    from lightning_parallel.data import SyntheticImagesDataModule
+    from lightning_parallel.tasks import ClassificationTask
+
+    pl.seed_everything(seed, verbose=False)
+    samples = global_batch * steps * 2
+    if model == "gpt":
+        data: pl.LightningDataModule = SyntheticTokensDataModule(
+            vocab_size=16, seq_len=8, num_samples=samples, batch_size=global_batch // replicas, seed=seed
+        )
+    else:
+        data = SyntheticImagesDataModule(
+            num_samples=samples,
+            channels=3,
+            image_size=32,
+            num_classes=4,
+            batch_size=global_batch // replicas,
+            seed=seed,
+        )
+    recorder = RunSummary()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[recorder],
+        **trainer_kwargs,
+    )
+    with trainer.init_module():
+        network = tiny_network(model)
+    if model == "gpt":
+        task_class = task_class or LanguageModelTask
+        task: pl.LightningModule = task_class(network, optimizer=partial(torch.optim.SGD, lr=0.5, momentum=0.9))
+    else:
+        # ResNet-18 with BatchNorm at batch 8 is chaotic at ordinary rates: a 1e-7 relative nudge of the weights
+        # grows to 1e-1 in the loss within 20 steps at lr 5e-4. At lr 1e-4 without momentum it stays near 1e-6.
+        rate = {"resnet18": {"lr": 1e-4}}.get(model, {"lr": 0.02, "momentum": 0.9})
+        optimizer = partial(torch.optim.SGD, **rate)
+        task = (task_class or ClassificationTask)(network, num_classes=4, optimizer=optimizer)
+    trainer.fit(task, datamodule=data)
+    return task, recorder.history["train/loss"], trainer
+
+
+def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and floating-point buffers, DTensors gathered whole (a collective: call it on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if b.is_floating_point())]
+    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone() for name, t in tensors}
+
+
+def tiny_network(model: str) -> torch.nn.Module:
+    """The networks `fit_model` trains; built after `pl.seed_everything(seed)` they hold its initial weights."""
+    from lightning_parallel.models import ResNet, SimpleCNN
+
+    if model == "gpt":
+        return GPT(vocab_size=16, context_length=8, depth=2, width=16, heads=4)
+    if model == "simple_cnn":
+        return SimpleCNN(in_channels=3, image_size=32, num_classes=4)
+    return ResNet(depth=18, in_channels=3, num_classes=4)

@@ -1,0 +1,286 @@
+"""Tensor-parallel plans as data: a table `module-name pattern -> style name`, expanded against a model, checked
+before launch (every pattern matches, every sharded size divides), found automatically for plain Linear stacks, and
+applied with torch's `parallelize_module`. It chooses no mesh and no size; the strategy does.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from lightning_parallel.tensor.conv import BatchNormParallel, ConvColwiseParallel, ConvRowwiseParallel
+
+# style name -> what it does. Under sequence parallelism the residual stream between blocks is split along the
+# sequence (dim 1): "colwise" inputs then arrive sequence-sharded and "rowwise" outputs leave sequence-sharded.
+STYLES: dict[str, str] = {
+    "colwise": "Linear/Embedding: shard output features; input replicated",
+    "rowwise": "Linear: shard input features; all-reduce the output",
+    "colwise_gather": "Linear: shard output features, then gather the full output (e.g. logits)",
+    "vocab_parallel": "Embedding: shard the vocabulary; output replicated",
+    "sequence_parallel": "LayerNorm/RMSNorm/Dropout: run on sequence shards when sequence_parallel=True",
+    "shard_sequence": "any module: split its output along the sequence when sequence_parallel=True",
+    "conv_colwise": "Conv2d: shard output channels; input replicated",
+    "conv_rowwise": "Conv2d: shard input channels; all-reduce the output",
+    "batchnorm_sharded": "BatchNorm2d: on channel shards",
+    "replicate": "leave the module whole on every rank",
+}
+_SEQUENCE_STYLES = frozenset({"sequence_parallel", "shard_sequence"})
+_NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.RMSNorm, nn.Dropout)
+# style -> module types it accepts; `None` means any module.
+_ACCEPTS: dict[str, tuple[type[nn.Module], ...] | None] = {
+    "colwise": (nn.Linear, nn.Embedding),
+    "rowwise": (nn.Linear,),
+    "colwise_gather": (nn.Linear,),
+    "vocab_parallel": (nn.Embedding,),
+    "sequence_parallel": _NORMS,
+    "shard_sequence": None,
+    "conv_colwise": (nn.Conv2d,),
+    "conv_rowwise": (nn.Conv2d,),
+    "batchnorm_sharded": (nn.BatchNorm2d,),
+    "replicate": None,
+}
+
+
+def make_style(name: str, *, sequence_parallel: bool) -> ParallelStyle | None:
+    """The torch `ParallelStyle` for a style name, or None where the name means "leave as is"."""
+    seq = Shard(1)
+    if name == "colwise":
+        return ColwiseParallel(input_layouts=seq) if sequence_parallel else ColwiseParallel()
+    if name == "rowwise":
+        return RowwiseParallel(output_layouts=seq, use_local_output=False) if sequence_parallel else RowwiseParallel()
+    if name == "colwise_gather":
+        return ColwiseParallel(input_layouts=seq if sequence_parallel else Replicate(), output_layouts=Replicate())
+    if name == "vocab_parallel":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if name == "sequence_parallel":
+        return SequenceParallel() if sequence_parallel else None
+    if name == "shard_sequence":
+        if not sequence_parallel:
+            return None
+        return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq, use_local_output=False)
+    if name == "conv_colwise":
+        return ConvColwiseParallel()
+    if name == "conv_rowwise":
+        return ConvRowwiseParallel()
+    if name == "batchnorm_sharded":
+        return BatchNormParallel()
+    if name == "replicate":
+        return None
+    raise ValueError(f"unknown tensor-parallel style {name!r}. HINT: use one of {', '.join(STYLES)}")
+
+
+def expand_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+    """Resolve wildcard patterns (`fnmatch` per dotted atom: `block_*.attn.q`) to exact module names.
+
+    Raises:
+        ValueError: An unknown style, a pattern that matches no module, or two styles for one module.
+    """
+    names = [name for name, _ in model.named_modules() if name]
+    resolved: dict[str, str] = {}
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(
+                f"tensor plan: {pattern!r} maps to unknown style {style!r}. HINT: use one of {', '.join(STYLES)}"
+            )
+        matched = [name for name in names if _matches(pattern, name)]
+        if not matched:
+            close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.3) or names[:3]
+            raise ValueError(
+                f"tensor plan: pattern {pattern!r} matches no module of {type(model).__name__}. "
+                f"HINT: module names look like {', '.join(close)}"
+            )
+        for name in matched:
+            if resolved.get(name, style) != style:
+                raise ValueError(
+                    f"tensor plan: {name} is matched as {resolved[name]!r} and as {style!r} (pattern {pattern!r}). "
+                    "HINT: make the patterns match disjoint modules"
+                )
+            resolved[name] = style
+    order = {name: index for index, name in enumerate(names)}
+    return dict(sorted(resolved.items(), key=lambda item: order[item[0]]))
+
+
+def _matches(pattern: str, name: str) -> bool:
+    atoms, parts = pattern.split("."), name.split(".")
+    return len(atoms) == len(parts) and all(fnmatchcase(part, atom) for atom, part in zip(atoms, parts, strict=True))
+
+
+def check_plan(
+    model: nn.Module, plan: Mapping[str, str], *, tensor_parallel_size: int, sequence_parallel: bool
+) -> None:
+    """Check an expanded plan against the model before anything is sharded: module types and divisibility.
+
+    Raises:
+        ValueError: One line naming the module, the size and the tensor-parallel size, with a fix.
+    """
+    tp = tensor_parallel_size
+    modules = dict(model.named_modules())
+    for name, style in plan.items():
+        module = modules[name]
+        accepts = _ACCEPTS[style]
+        if accepts is not None and not isinstance(module, accepts):
+            raise ValueError(
+                f"tensor plan: {name} is a {type(module).__name__}, but style {style!r} applies to "
+                f"{' / '.join(t.__name__ for t in accepts)}. HINT: map {name} to another style or to 'replicate'"
+            )
+        if isinstance(module, nn.Conv2d) and module.groups != 1:
+            raise ValueError(
+                f"tensor plan: {name} is a Conv2d with groups={module.groups}; channel-parallel styles need "
+                f"groups=1. HINT: map {name} to 'replicate'"
+            )
+        for what, size in _sharded_sizes(style, module, _parent(modules, name)):
+            if size % tp != 0:
+                fits = [d for d in range(1, min(size, 64) + 1) if size % d == 0]
+                raise ValueError(
+                    f"tensor plan: {name} ({type(module).__name__}, {style}) has {what} {size}, not divisible by "
+                    f"tensor_parallel_size {tp}. HINT: use tensor_parallel_size in {fits}, or map {name} to 'replicate'"
+                )
+    if sequence_parallel and not _SEQUENCE_STYLES & set(plan.values()):
+        raise ValueError(
+            f"sequence_parallel=True, but the plan for {type(model).__name__} has no 'sequence_parallel' entries. "
+            "HINT: set sequence_parallel=False, or map the norms between blocks to 'sequence_parallel'"
+        )
+
+
+def _parent(modules: dict[str, nn.Module], name: str) -> nn.Module | None:
+    return modules.get(name.rpartition(".")[0]) if "." in name else None
+
+
+def _sharded_sizes(style: str, module: nn.Module, parent: nn.Module | None) -> list[tuple[str, int]]:
+    """(what, size) pairs that the tensor-parallel size must divide for this style."""
+    sizes: list[tuple[str, int]] = []
+    if isinstance(module, nn.Linear) and style in ("colwise", "colwise_gather", "rowwise"):
+        features = module.in_features if style == "rowwise" else module.out_features
+        sizes.append(("in_features" if style == "rowwise" else "out_features", features))
+        head_dim = getattr(parent, "head_dim", None)  # attention projections: whole heads per rank
+        if isinstance(head_dim, int) and head_dim > 0 and features % head_dim == 0:
+            sizes.append(("attention heads", features // head_dim))
+    elif isinstance(module, nn.Embedding) and style == "colwise":
+        sizes.append(("embedding_dim", module.embedding_dim))
+    elif isinstance(module, nn.Embedding) and style == "vocab_parallel":
+        sizes.append(("vocabulary size", module.num_embeddings))
+    elif isinstance(module, nn.Conv2d) and style in ("conv_colwise", "conv_rowwise"):
+        sizes.append(
+            ("out_channels", module.out_channels) if style == "conv_colwise" else ("in_channels", module.in_channels)
+        )
+    elif isinstance(module, nn.BatchNorm2d) and style == "batchnorm_sharded":
+        sizes.append(("channels", module.num_features))
+    return sizes
+
+
+def apply_plan(model: nn.Module, plan: Mapping[str, str], mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
+    """Shard `model` in place over the 1-D tensor-parallel `mesh` as an expanded, checked plan says.
+
+    Ranks must already hold identical weights (the strategy broadcasts them), so shards are cut locally.
+    """
+    styles = {name: make_style(style, sequence_parallel=sequence_parallel) for name, style in plan.items()}
+    active = {name: style for name, style in styles.items() if style is not None}
+    if active:
+        parallelize_module(model, mesh, active, src_data_rank=None)
+
+
+# ---- automatic plan for plain layer stacks ---------------------------------------------------------------------
+_ELEMENTWISE_MODULES: tuple[type[nn.Module], ...] = (
+    nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Mish, nn.Dropout, nn.Identity,
+)  # fmt: skip
+_ELEMENTWISE_FUNCTIONS = {F.relu, F.gelu, F.silu, F.leaky_relu, F.elu, F.mish, F.dropout, torch.relu, torch.tanh,
+                          torch.sigmoid}  # fmt: skip
+_ELEMENTWISE_METHODS = {"relu", "tanh", "sigmoid"}
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """A plan found by `auto_plan`: the plan itself and, for each module left whole, the reason."""
+
+    plan: dict[str, str]
+    replicated: dict[str, str] = field(default_factory=dict)
+
+
+def auto_plan(model: nn.Module, *, tensor_parallel_size: int) -> AutoPlan:
+    """Pair Linear layers whose hidden activation only passes through element-wise ops: column, then row.
+
+    The data flow comes from a `torch.fx` trace, not from attribute order, so parallel branches (q, k, v) are never
+    paired. Every other module with parameters stays replicated, with the reason recorded.
+
+    Raises:
+        ValueError: The model cannot be traced, or no pair can be sharded; the message names each module and why.
+    """
+    tp = tensor_parallel_size
+    try:
+        graph = fx.symbolic_trace(model).graph
+    except Exception as error:  # fx raises many types (TraceError, TypeError, ...) for untraceable code
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(
+            f"automatic tensor plan: torch.fx cannot trace {type(model).__name__} ({reason}). "
+            "HINT: give the model a `tp_plan` dict or pass plan={'<module pattern>': 'colwise', ...}"
+        ) from error
+    modules = dict(model.named_modules())
+    calls = Counter(str(node.target) for node in graph.nodes if node.op == "call_module")
+    plan: dict[str, str] = {}
+    replicated: dict[str, str] = {}
+    for node in graph.nodes:
+        first = _called_module(node, modules)
+        name = str(node.target)
+        if not isinstance(first, nn.Linear) or name in plan:
+            continue
+        partner = _consumer_linear(node, modules)
+        second = str(partner.target) if partner is not None else ""
+        if calls[name] > 1 or partner is None or calls[second] > 1 or second in plan:
+            replicated.setdefault(name, "no single Linear consumes its output through element-wise ops")
+        elif first.out_features % tp != 0:
+            replicated[name] = f"hidden size {first.out_features} not divisible by {tp}"
+        else:
+            plan[name], plan[second] = "colwise", "rowwise"
+            replicated.pop(second, None)
+    for name, module in modules.items():
+        if name not in plan and any(True for _ in module.parameters(recurse=False)):
+            replicated.setdefault(name, f"{type(module).__name__} is not part of a Linear pair")
+    if not plan:
+        reasons = "; ".join(f"{name}: {why}" for name, why in replicated.items()) or "it has no Linear layers"
+        raise ValueError(
+            f"automatic tensor plan found nothing to shard in {type(model).__name__} at tensor_parallel_size {tp} "
+            f"({reasons}). HINT: pass plan={{'<module pattern>': '<style>'}} with styles from {', '.join(STYLES)}"
+        )
+    return AutoPlan(plan=plan, replicated=replicated)
+
+
+def _consumer_linear(node: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None:
+    """The Linear that alone consumes `node`'s output through a chain of single-use element-wise ops."""
+    current = node
+    while len(current.users) == 1:
+        user = next(iter(current.users))
+        if user.args[:1] != (current,) or any(isinstance(a, fx.Node) for a in [*user.args[1:], *user.kwargs.values()]):
+            return None
+        called = _called_module(user, modules)
+        if isinstance(called, nn.Linear):
+            return user
+        elementwise = (
+            isinstance(called, _ELEMENTWISE_MODULES)
+            or (user.op == "call_function" and user.target in _ELEMENTWISE_FUNCTIONS)
+            or (user.op == "call_method" and user.target in _ELEMENTWISE_METHODS)
+        )
+        if not elementwise:
+            return None
+        current = user
+    return None
+
+
+def _called_module(node: fx.Node, modules: dict[str, nn.Module]) -> nn.Module | None:
+    return modules[str(node.target)] if node.op == "call_module" else None
