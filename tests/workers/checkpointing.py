@@ -1,7 +1,7 @@
-"""Worker: fit the tiny GPT as a pipeline, optionally resuming from a checkpoint, then save one.
+"""Worker: fit a tiny GPT under a pipeline or tensor-parallel strategy, optionally resuming from a checkpoint.
 
-Payload: {"stages", "steps", "resume_from" (or null), "save_dir"}. Lightning's ModelCheckpoint saves
-`step=<N>.ckpt` every 5 training steps (one epoch). Measured on Lightning 2.6.6 with a single process:
+Payload: {"strategy": "pipeline" | "tensor", "size", "steps", "resume_from" (or null), "save_dir"}.
+Lightning's ModelCheckpoint saves `step=<N>.ckpt` every 10 training steps (two epochs). Measured on Lightning 2.6.6 with a single process:
 a checkpoint saved by `every_n_epochs` or by `trainer.save_checkpoint` after `fit` resumes one batch
 into a stale epoch and skips batches, while `every_n_train_steps` resumes exactly.
 """
@@ -12,10 +12,10 @@ from functools import partial
 
 import lightning.pytorch as pl
 import torch
-from common import TINY_GPT, local_state, payload
+from common import full_state, payload
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_parallel import PipelineParallelStrategy
+from lightning_parallel import PipelineParallelStrategy, TensorParallelStrategy
 from lightning_parallel.callbacks import RunSummary
 from lightning_parallel.data import SyntheticTokensDataModule
 from lightning_parallel.models import GPT
@@ -23,6 +23,14 @@ from lightning_parallel.tasks import LanguageModelTask
 
 GLOBAL_BATCH = 16
 SAMPLES = 89  # int(89 * 0.9) = 80 training sequences = 5 batches of 16 per epoch
+# 6 blocks for up to 4 pipeline stages; 4 heads (and widths divisible by 4) for up to 4 tensor ranks.
+GPT_CONFIG = {"vocab_size": 16, "context_length": 8, "depth": 4, "width": 16, "heads": 4}
+
+
+def make_strategy(kind: str, size: int) -> object:
+    if kind == "pipeline":
+        return PipelineParallelStrategy(schedule="1f1b", microbatches=2 * size, timeout=60)
+    return TensorParallelStrategy(tensor_parallel_size=size, timeout=60)
 
 
 def build(
@@ -33,7 +41,7 @@ def build(
     recorder = RunSummary()
     callbacks: list[pl.Callback] = [recorder]
     if save_dir is not None:
-        callbacks.append(ModelCheckpoint(dirpath=save_dir, filename="{step}", save_top_k=-1, every_n_train_steps=5))
+        callbacks.append(ModelCheckpoint(dirpath=save_dir, filename="{step}", save_top_k=-1, every_n_train_steps=10))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -48,17 +56,18 @@ def build(
         callbacks=callbacks,
     )
     with trainer.init_module():
-        model = GPT(**TINY_GPT)
+        model = GPT(**GPT_CONFIG)
     task = LanguageModelTask(model, optimizer=partial(torch.optim.SGD, lr=0.5, momentum=0.9))
     return trainer, task, data, recorder
 
 
 if __name__ == "__main__":
     config, out = payload()
-    strategy = PipelineParallelStrategy(schedule="1f1b", microbatches=2 * config["stages"], timeout=60)
-    trainer, task, data, recorder = build(config["stages"], config["steps"], strategy, config["save_dir"])
+    strategy = make_strategy(config["strategy"], config["size"])
+    trainer, task, data, recorder = build(config["size"], config["steps"], strategy, config["save_dir"])
     trainer.fit(task, datamodule=data, ckpt_path=config["resume_from"])
-    result = {"losses": recorder.history["train/loss"], "state": local_state(task), "step": trainer.global_step}
+    state = full_state(task.model)  # whole tensors: DTensors gathered; a pipeline rank's own stages
+    result = {"losses": recorder.history["train/loss"], "state": state, "step": trainer.global_step}
     torch.save(result, out / f"rank{torch.distributed.get_rank()}.pt")
     # Leave together and tear down cleanly: gloo aborts ranks still connected at exit.
     torch.distributed.barrier()
