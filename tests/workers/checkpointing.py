@@ -1,7 +1,8 @@
 """Worker: fit a tiny GPT under a pipeline or tensor-parallel strategy, optionally resuming from a checkpoint.
 
 Payload: {"strategy": "pipeline" | "tensor", "size", "steps", "resume_from" (or null), "save_dir"}.
-Lightning's ModelCheckpoint saves `step=<N>.ckpt` every 10 training steps (two epochs). Measured on Lightning 2.6.6 with a single process:
+Lightning's ModelCheckpoint saves `step=<N>.ckpt` every 10 training steps (two epochs).
+Measured on Lightning 2.6.6 with a single process:
 a checkpoint saved by `every_n_epochs` or by `trainer.save_checkpoint` after `fit` resumes one batch
 into a stale epoch and skips batches, while `every_n_train_steps` resumes exactly.
 """
