@@ -72,3 +72,12 @@ def test_bf16_mixed_tracks_single_process(pipeline_runs: list[dict], tmp_path: P
     got = pipeline_runs[0]["bf16_mixed"]
     # bf16 rounds differently when a batch is cut into micro-batches; fp32 parity is tested elsewhere.
     assert close(got["train_loss"], ref["train_loss"], 2e-2)
+
+
+@pytest.mark.slow
+def test_balance_by_measured_time(pipeline_runs: list[dict], tmp_path: Path) -> None:
+    ref = single("balanced_by_time", tmp_path)
+    for rank in pipeline_runs:
+        got = rank["balanced_by_time"]
+        assert got["unit"] == "seconds"
+        assert close(got["train_loss"], ref["train_loss"], 1e-5)

@@ -22,6 +22,7 @@ from typing_extensions import override
 from lightning_parallel.dims import ParallelDims
 from lightning_parallel.models.init import materialize
 from lightning_parallel.pipeline.partition import Partition, make_partition, prune_to_blocks, stage_module
+from lightning_parallel.pipeline.profile import measure_block_costs
 from lightning_parallel.pipeline.runtime import PipelineRuntime, put_gradients, take_gradients
 from lightning_parallel.pipeline.schedule_plan import ScheduleSpec, analytic_bubble, resolve_schedule
 from lightning_parallel.precision import clip_grad_norm_global
@@ -66,9 +67,8 @@ class PipelineParallelStrategy(MeshStrategy):
             raise ValueError(f"microbatches={microbatches} must be at least 1. HINT: microbatches=4")
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size={data_parallel_size} must be at least 1")
-        if not isinstance(balance, str) or balance not in ("parameters", "time"):
-            if isinstance(balance, str):
-                raise ValueError(f"balance={balance!r} is unknown. HINT: parameters, time, or block names per stage")
+        if isinstance(balance, str) and balance not in ("parameters", "time"):
+            raise ValueError(f"balance={balance!r} is unknown. HINT: parameters, time, or block names per stage")
         self.schedule = schedule
         self._microbatches = microbatches
         self._stages_per_rank = stages_per_rank
@@ -111,14 +111,19 @@ class PipelineParallelStrategy(MeshStrategy):
     @override
     def validate(self, module: pl.LightningModule) -> None:
         network = self.network_of(module)
-        if self._partition is not None:
+        if self._runtime is not None:
             return  # already split (e.g. trainer.validate after fit): the pruned network would mislead
         if not callable(getattr(module, self.loss_attr, None)):
             raise ValueError(
                 f"{type(module).__name__} has no loss method `{self.loss_attr}(output, target)`. HINT: route the "
                 f"training loss through such a method, or pass loss_attr='<its name>' to PipelineParallelStrategy"
             )
-        self._partition = self.make_partition(network)
+        # Checks the split is possible (enough blocks, a valid explicit split); a time-balanced split is
+        # measured later, in setup, where a sample batch exists.
+        balance = "parameters" if self.balance == "time" else self.balance
+        make_partition(
+            network, pp=self.dims.pp, stages_per_rank=self.spec.stages_per_rank, style=self.spec.style, balance=balance
+        )
 
     def network_of(self, module: pl.LightningModule) -> nn.Sequential:
         network = getattr(module, self.network_attr, None)
@@ -131,13 +136,37 @@ class PipelineParallelStrategy(MeshStrategy):
             )
         return network
 
-    def make_partition(self, network: nn.Sequential) -> Partition:
-        balance = self.balance
-        if balance == "time":
-            raise ValueError("balance='time' needs measured block costs. HINT: balance=parameters")
+    def make_partition(self, network: nn.Sequential, trainer: pl.Trainer) -> Partition:
+        costs = self._measured_costs(network, trainer) if self.balance == "time" else None
         return make_partition(
-            network, pp=self.dims.pp, stages_per_rank=self.spec.stages_per_rank, style=self.spec.style, balance=balance
+            network,
+            pp=self.dims.pp,
+            stages_per_rank=self.spec.stages_per_rank,
+            style=self.spec.style,
+            balance=self.balance,
+            block_costs=costs,
         )
+
+    def _measured_costs(self, network: nn.Sequential, trainer: pl.Trainer) -> list[float]:
+        """Rank 0 times every block on one micro-batch; every rank uses its numbers, so splits agree."""
+        costs: list[list[float] | None] = [None]
+        if self.global_rank == 0:
+            sample = self._sample_microbatch(trainer)
+            costs[0] = measure_block_costs(network, sample, device=self.root_device)
+        dist.broadcast_object_list(costs, src=0)
+        assert costs[0] is not None
+        return costs[0]
+
+    def _sample_microbatch(self, trainer: pl.Trainer) -> torch.Tensor:
+        sample = getattr(self.lightning_module, "example_input_array", None)
+        if sample is None and trainer.datamodule is not None:
+            sample = next(iter(trainer.datamodule.train_dataloader()))[0]
+        if not isinstance(sample, torch.Tensor):
+            raise ValueError(
+                "balance='time' needs a sample input to time the blocks on. HINT: set "
+                "`example_input_array` on the LightningModule, pass a datamodule, or use balance='parameters'"
+            )
+        return sample[: max(1, len(sample) // self.microbatches_for(self.dims.pp))]
 
     # ---- set-up in every process ---------------------------------------------------------------
     @contextmanager
@@ -158,7 +187,7 @@ class PipelineParallelStrategy(MeshStrategy):
         network = self.network_of(module)
         pp_rank = self.device_mesh.get_local_rank("pp")
         if self._runtime is None:  # first set-up of this model: split it (later fit/validate calls reuse it)
-            self._partition = self._partition or self.make_partition(network)
+            self._partition = self.make_partition(network, trainer)
             prune_to_blocks(network, self.partition.blocks_of(pp_rank))
             materialize(network, self.root_device)
         self.model = self.precision_plugin.convert_module(module)
@@ -328,4 +357,5 @@ class PipelineParallelStrategy(MeshStrategy):
             "stages": [list(blocks) for blocks in partition.stages],
             "stage_to_rank": list(partition.stage_to_rank),
             "imbalance": partition.imbalance,
+            "cost_unit": partition.cost_unit,
         }

@@ -116,9 +116,25 @@ def bf16_mixed(strategy: Any, devices: int, out: Path) -> dict[str, Any]:
     return {"train_loss": recorder.history["train/loss"]}
 
 
+def balanced_by_time(strategy: Any, devices: int, out: Path) -> dict[str, Any]:
+    """Stages split by measured block time: a different split, the same training."""
+    pl.seed_everything(0, verbose=False)
+    data = SyntheticTokensDataModule(vocab_size=16, seq_len=8, num_samples=200, batch_size=16, seed=0)
+    recorder = RunSummary()
+    trainer = _trainer(
+        strategy, devices, [recorder], max_steps=5, logger=False, enable_checkpointing=False, limit_val_batches=0
+    )
+    with trainer.init_module():
+        model = GPT(**TINY_GPT)
+    trainer.fit(LanguageModelTask(model, optimizer=SGD), datamodule=data)
+    describe = getattr(trainer.strategy, "describe", None)
+    return {"train_loss": recorder.history["train/loss"], "unit": describe()["cost_unit"] if describe else None}
+
+
 SCENARIOS = {
     "lightning_loops": (lightning_loops, {"schedule": "1f1b", "microbatches": 4}),
     "uneven_batches": (uneven_batches, {"schedule": "1f1b", "microbatches": 4}),
     "batchnorm_one_microbatch": (batchnorm_one_microbatch, {"schedule": "gpipe", "microbatches": 1}),
     "bf16_mixed": (bf16_mixed, {"schedule": "1f1b", "microbatches": 4}),
+    "balanced_by_time": (balanced_by_time, {"schedule": "1f1b", "microbatches": 4, "balance": "time"}),
 }

@@ -1,0 +1,57 @@
+"""Measure each block's forward + backward time on a sample micro-batch, for balancing stages by time
+(as torchgpipe's balance_by_time did). Materialises one block at a time, so the whole model never exists.
+
+It only measures; the split itself is `partition.split_by_cost`.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+from torch import nn
+
+
+def _real_copy(block: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of the block with real storage (values do not matter for timing)."""
+    if any(t.is_meta for t in [*block.parameters(), *block.buffers()]):
+        block = copy.deepcopy(block).to_empty(device=device)
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(0, 0.02)
+            for b in block.buffers():
+                b.fill_(1.0) if b.is_floating_point() else b.zero_()
+        return block
+    return copy.deepcopy(block).to(device)
+
+
+def measure_block_costs(
+    network: nn.Sequential, sample: torch.Tensor, *, device: torch.device, repeats: int = 3
+) -> list[float]:
+    """Median seconds of forward + backward per block, feeding each block the previous block's output.
+
+    Args:
+        network: the model as an nn.Sequential of named blocks (may live on the meta device).
+        sample: one micro-batch of model input.
+        device: where to measure (the rank's own device).
+        repeats: timed repetitions per block after one warm-up.
+    """
+    costs = []
+    x = sample.to(device)
+    for block in network.children():
+        real = _real_copy(block, device).train()
+        inputs = x.detach().requires_grad_(x.is_floating_point())
+        times = []
+        for attempt in range(repeats + 1):
+            start = time.perf_counter()
+            out = real(inputs)
+            out.float().sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if attempt:  # the first run pays one-off allocation costs
+                times.append(time.perf_counter() - start)
+        costs.append(sorted(times)[len(times) // 2])
+        x = out.detach()
+        del real
+    return costs
