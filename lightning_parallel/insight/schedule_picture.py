@@ -65,9 +65,13 @@ class Panel:
         stages = len({e[3] for rank in self.events for e in rank})
         microbatches = len({e[4] for rank in self.events for e in rank})
         return (
-            f"{self.heading}: {stages} stages on {len(self.events)} ranks, "
-            f"{microbatches} micro-batches, bubble {self.bubble_fraction:.1%}"
+            f"{self.heading}: {_count(stages, 'stage')} on {_count(len(self.events), 'rank')}, "
+            f"{_count(microbatches, 'micro-batch', 'es')}, bubble {self.bubble_fraction:.1%}"
         )
+
+
+def _count(n: int, noun: str, plural: str = "s") -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{plural}"
 
 
 def panel_from_timeline(timeline: Timeline, *, heading: str) -> Panel:
@@ -230,7 +234,10 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr and exit code 2."""
 
     def error(self, message: str) -> Any:
-        print(f"error: {message}. HINT: python -m {__spec__.name if __spec__ else 'schedule_picture'} --help", file=sys.stderr)
+        print(
+            f"error: {message}. HINT: python -m {__spec__.name if __spec__ else 'schedule_picture'} --help",
+            file=sys.stderr,
+        )
         sys.exit(2)
 
 
@@ -268,7 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if not names:
             raise ValueError(f"--schedule {args.schedule!r} names no schedule. HINT: e.g. --schedule gpipe,1f1b")
-        panels = _panels_for(names, pp=args.stages, microbatches=args.microbatches, stages_per_rank=args.stages_per_rank)
+        panels = _panels_for(
+            names, pp=args.stages, microbatches=args.microbatches, stages_per_rank=args.stages_per_rank
+        )
         out = draw(panels, args.out)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -128,7 +128,9 @@ def _bubble(summary: dict[str, Any]) -> str:
     parallel = summary.get("parallel") or {}
     if "bubble_fraction" not in parallel:
         return "-"
-    return f"{parallel['bubble_fraction']:.1%} ({parallel.get('schedule', '?')}, {parallel.get('microbatches', '?')} mb)"
+    return (
+        f"{parallel['bubble_fraction']:.1%} ({parallel.get('schedule', '?')}, {parallel.get('microbatches', '?')} mb)"
+    )
 
 
 def table_row(job: Job) -> list[str]:
@@ -168,60 +170,61 @@ def _short(job: Job) -> str:
     return f"{job.name}: {job.label}" if job.label else job.name
 
 
-def _strategy_colors(jobs: Sequence[Job]) -> dict[str, Any]:
+def _finished(jobs: Sequence[Job], key: str) -> list[tuple[Job, dict[str, Any]]]:
+    # the jobs that recorded `key`, each with its summary
+    return [(job, job.summary) for job in jobs if job.summary is not None and job.summary.get(key)]
+
+
+def _strategy_colors(done: list[tuple[Job, dict[str, Any]]]) -> dict[str, Any]:
     from matplotlib import colormaps
 
-    names = sorted({str(job.summary["strategy"]) for job in jobs if job.summary})
     palette = colormaps["tab10"]
-    return {name: palette(i % 10) for i, name in enumerate(names)}
+    return {name: palette(i % 10) for i, name in enumerate(sorted({str(s["strategy"]) for _, s in done}))}
 
 
 def plot_throughput(jobs: Sequence[Job], out: Path) -> Path:
     """Bars per finished job: samples/s in total and per device, coloured by strategy."""
     from matplotlib.figure import Figure  # lazily: importing this module stays cheap
 
-    done = [job for job in jobs if job.summary and job.summary.get("throughput_samples_per_s")]
+    done = _finished(jobs, "throughput_samples_per_s")
     colors = _strategy_colors(done)
     fig = Figure(figsize=(max(6.0, 1.4 + 1.1 * len(done)), 6.5))
     total_ax, device_ax = fig.subplots(2, 1, sharex=True)
     x = range(len(done))
     for ax, per_device in ((total_ax, False), (device_ax, True)):
-        values = [
-            job.summary["throughput_samples_per_s"] / ((job.summary.get("devices") or 1) if per_device else 1)
-            for job in done  # type: ignore[index]
-        ]
-        ax.bar(x, values, color=[colors[job.summary["strategy"]] for job in done])  # type: ignore[index]
+        values = [s["throughput_samples_per_s"] / ((s.get("devices") or 1) if per_device else 1) for _, s in done]
+        ax.bar(x, values, color=[colors[s["strategy"]] for _, s in done])
         for i, v in zip(x, values, strict=True):
             ax.text(i, v, f"{v:.0f}", ha="center", va="bottom", fontsize=7)
         ax.set_ylabel("samples/s per device" if per_device else "samples/s", fontsize=9)
         ax.spines[["top", "right"]].set_visible(False)
     total_ax.set_title("Training throughput by job", fontsize=10)
-    device_ax.set_xticks(list(x), [_short(job) for job in done], rotation=25, ha="right", fontsize=7)
+    device_ax.set_xticks(list(x), [_short(job) for job, _ in done], rotation=25, ha="right", fontsize=7)
     _strategy_legend(fig, colors)
     return _save(fig, out)
 
 
 def plot_memory(jobs: Sequence[Job], out: Path) -> Path:
-    """Grouped bars per finished job: each rank's peak memory, with its parameter bytes printed on top."""
+    """Grouped bars per finished job: each rank's peak memory, labelled with the rank's parameter bytes."""
     from matplotlib.figure import Figure
 
-    done = [job for job in jobs if job.summary and job.summary.get("peak_memory_bytes")]
+    done = _finished(jobs, "peak_memory_bytes")
     colors = _strategy_colors(done)
-    widest = max((len(job.summary["peak_memory_bytes"]) for job in done), default=1)  # type: ignore[index]
+    widest = max((len(s["peak_memory_bytes"]) for _, s in done), default=1)
     fig = Figure(figsize=(max(6.0, 1.4 + 0.45 * widest * len(done)), 4.5))
     ax = fig.subplots()
     bar = 0.8 / widest
-    for i, job in enumerate(done):
-        peaks = job.summary["peak_memory_bytes"]  # type: ignore[index]
-        params = job.summary.get("parameter_bytes_per_rank") or [None] * len(peaks)  # type: ignore[union-attr]
+    for i, (_, s) in enumerate(done):
+        peaks = s["peak_memory_bytes"]
+        params = s.get("parameter_bytes_per_rank") or [None] * len(peaks)
         for rank, (peak, param) in enumerate(zip(peaks, params, strict=False)):
             left = i - bar * len(peaks) / 2 + bar * rank  # the job's bars centred on its tick
-            ax.bar(left, peak / 2**20, width=bar * 0.9, align="edge", color=colors[job.summary["strategy"]])  # type: ignore[index]
+            ax.bar(left, peak / 2**20, width=bar * 0.9, align="edge", color=colors[s["strategy"]])
             note = f"r{rank}" + (f"\n{format_bytes(param)}" if param is not None else "")
             ax.text(left + bar * 0.45, peak / 2**20, note, ha="center", va="bottom", fontsize=6)
     ax.set_ylabel("peak memory per device (MiB)", fontsize=9)
     ax.set_title("Peak memory per device (a bar per rank, labelled with its parameter bytes)", fontsize=10)
-    ax.set_xticks(range(len(done)), [_short(job) for job in done], rotation=25, ha="right", fontsize=7)
+    ax.set_xticks(range(len(done)), [_short(job) for job, _ in done], rotation=25, ha="right", fontsize=7)
     ax.margins(y=0.15)
     ax.spines[["top", "right"]].set_visible(False)
     _strategy_legend(fig, colors)
@@ -232,7 +235,7 @@ def _strategy_legend(fig: Any, colors: dict[str, Any]) -> None:
     from matplotlib.patches import Patch
 
     handles = [Patch(color=c, label=name) for name, c in colors.items()]
-    fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=7, frameon=False)
+    fig.legend(handles=handles, loc="lower center", ncol=max(1, min(4, len(handles))), fontsize=7, frameon=False)
 
 
 def _save(fig: Any, out: Path) -> Path:
