@@ -81,3 +81,19 @@ def test_balance_by_measured_time(pipeline_runs: list[dict], tmp_path: Path) -> 
         got = rank["balanced_by_time"]
         assert got["unit"] == "seconds"
         assert close(got["train_loss"], ref["train_loss"], 1e-5)
+
+
+@pytest.mark.slow
+def test_deferred_batchnorm_gathers_running_statistics_over_the_whole_batch(
+    pipeline_runs: list[dict], tmp_path: Path
+) -> None:
+    """The first BatchNorm sees the same inputs as in one process, so after one step its running
+    statistics must equal the single-process ones (deeper layers see micro-batch-normalised inputs);
+    every layer updates once per step, not once per micro-batch."""
+    ref = single("deferred_batchnorm", tmp_path)["buffers"]
+    got = {k: v for rank in pipeline_runs for k, v in rank["deferred_batchnorm"]["buffers"].items()}
+    assert got.keys() == ref.keys()
+    for name in ("stem.1.running_mean", "stem.1.running_var"):
+        torch.testing.assert_close(got[name], ref[name], rtol=0, atol=1e-6, msg=name)
+    counts = {name: int(value) for name, value in got.items() if name.endswith("num_batches_tracked")}
+    assert counts and set(counts.values()) == {1}

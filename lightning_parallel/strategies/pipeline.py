@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_parallel.dims import ParallelDims
 from lightning_parallel.models.init import materialize
+from lightning_parallel.pipeline.batchnorm import commit_batchnorm, defer_batchnorm
 from lightning_parallel.pipeline.partition import Partition, make_partition, prune_to_blocks, stage_module
 from lightning_parallel.pipeline.profile import measure_block_costs
 from lightning_parallel.pipeline.runtime import PipelineRuntime, put_gradients, take_gradients
@@ -42,6 +43,8 @@ class PipelineParallelStrategy(MeshStrategy):
         stages_per_rank: virtual stages per rank for multi-stage schedules (default 2 for them, else 1).
         data_parallel_size: replicas; devices = data_parallel_size x pipeline stages.
         balance: "parameters" (default), "time" (measure each block), or explicit block names per stage.
+        deferred_batchnorm: update BatchNorm running statistics once per mini-batch from all its
+            micro-batches (as one process would); normalisation always uses micro-batch statistics.
         network_attr / loss_attr: where the network and the loss method live on the LightningModule.
         timeout: seconds (or timedelta) a collective may wait before the run fails.
     """
@@ -56,6 +59,7 @@ class PipelineParallelStrategy(MeshStrategy):
         stages_per_rank: int | None = None,
         data_parallel_size: int = 1,
         balance: str | Sequence[Sequence[str]] = "parameters",
+        deferred_batchnorm: bool = False,
         network_attr: str = "model",
         loss_attr: str = "loss_fn",
         timeout: float | timedelta = DEFAULT_TIMEOUT,
@@ -74,6 +78,8 @@ class PipelineParallelStrategy(MeshStrategy):
         self._stages_per_rank = stages_per_rank
         self.data_parallel_size = data_parallel_size
         self.balance = balance
+        self.deferred_batchnorm = deferred_batchnorm
+        self._batchnorms: list[nn.Module] = []
         self.network_attr = network_attr
         self.loss_attr = loss_attr
         self._spec: ScheduleSpec | None = None
@@ -190,6 +196,8 @@ class PipelineParallelStrategy(MeshStrategy):
             self._partition = self.make_partition(network, trainer)
             prune_to_blocks(network, self.partition.blocks_of(pp_rank))
             materialize(network, self.root_device)
+            if self.deferred_batchnorm:
+                self._batchnorms = defer_batchnorm(network)
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
         if self._runtime is None:
@@ -248,6 +256,7 @@ class PipelineParallelStrategy(MeshStrategy):
         params = self.local_parameters()
         earlier = take_gradients(params)  # gradients accumulated by earlier micro-steps
         loss = self.runtime.train_step(output.inputs(), target)
+        commit_batchnorm(self._batchnorms)
         self._fresh_grads = take_gradients(params)
         put_gradients(params, earlier)
         return self._from_last_stage(loss, torch.Size(), torch.float32)

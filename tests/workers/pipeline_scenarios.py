@@ -131,10 +131,31 @@ def balanced_by_time(strategy: Any, devices: int, out: Path) -> dict[str, Any]:
     return {"train_loss": recorder.history["train/loss"], "unit": describe()["cost_unit"] if describe else None}
 
 
+def deferred_batchnorm(strategy: Any, devices: int, out: Path) -> dict[str, Any]:
+    """ResNet-18 over 4 micro-batches with deferred BatchNorm, one step."""
+    pl.seed_everything(0, verbose=False)
+    data = SyntheticImagesDataModule(num_samples=40, channels=3, image_size=8, num_classes=4, batch_size=8, seed=0)
+    trainer = _trainer(
+        strategy, devices, [], max_steps=1, logger=False, enable_checkpointing=False, limit_val_batches=0
+    )
+    with trainer.init_module():
+        model = ResNet(depth=18, in_channels=3, num_classes=4)
+    task = ClassificationTask(model, num_classes=4, optimizer=partial(torch.optim.SGD, lr=0.05))
+    trainer.fit(task, datamodule=data)
+    return {
+        "buffers": {
+            name: b.detach().clone()
+            for name, b in task.model.state_dict().items()
+            if "bn" in name or name.startswith("stem.1")
+        }
+    }
+
+
 SCENARIOS = {
     "lightning_loops": (lightning_loops, {"schedule": "1f1b", "microbatches": 4}),
     "uneven_batches": (uneven_batches, {"schedule": "1f1b", "microbatches": 4}),
     "batchnorm_one_microbatch": (batchnorm_one_microbatch, {"schedule": "gpipe", "microbatches": 1}),
     "bf16_mixed": (bf16_mixed, {"schedule": "1f1b", "microbatches": 4}),
+    "deferred_batchnorm": (deferred_batchnorm, {"schedule": "1f1b", "microbatches": 4, "deferred_batchnorm": True}),
     "balanced_by_time": (balanced_by_time, {"schedule": "1f1b", "microbatches": 4, "balance": "time"}),
 }
