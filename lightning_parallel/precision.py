@@ -75,3 +75,21 @@ def clip_grad_value_mixed(parameters: Iterable[torch.nn.Parameter], clip_value: 
     for p in parameters:
         if p.grad is not None:
             _local(p.grad).clamp_(min=-clip_value, max=clip_value)
+
+
+def agree_on_overflow(scaler: torch.amp.GradScaler, group: dist.ProcessGroup | None = None) -> None:
+    """Make every rank skip the same optimizer steps under fp16 loss scaling.
+
+    Each rank's GradScaler checks only its own gradients for inf/NaN; when one pipeline stage
+    overflows, all must skip the step and lower the scale together. Wraps `scaler.unscale_` so the
+    found-inf flags are max-reduced over `group` right after unscaling (torch 2.13 keeps them in
+    `scaler._per_optimizer_states`).
+    """
+    unscale = scaler.unscale_
+
+    def unscale_and_agree(optimizer: torch.optim.Optimizer) -> None:
+        unscale(optimizer)
+        for found_inf in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+
+    scaler.unscale_ = unscale_and_agree  # type: ignore[method-assign]

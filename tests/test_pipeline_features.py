@@ -97,3 +97,14 @@ def test_deferred_batchnorm_gathers_running_statistics_over_the_whole_batch(
         torch.testing.assert_close(got[name], ref[name], rtol=0, atol=1e-6, msg=name)
     counts = {name: int(value) for name, value in got.items() if name.endswith("num_batches_tracked")}
     assert counts and set(counts.values()) == {1}
+
+
+@pytest.mark.slow
+def test_fp16_mixed_with_loss_scaling_tracks_single_process(pipeline_runs: list[dict], tmp_path: Path) -> None:
+    """The schedule back-propagates the scaled loss and ranks agree on overflow: training moves like one
+    process (without scaling inside the schedule the gradients would be divided by the scale twice)."""
+    ref = single("fp16_mixed", tmp_path)
+    for rank in pipeline_runs:
+        got = rank["fp16_mixed"]
+        assert close(got["train_loss"], ref["train_loss"], 2e-2)
+        assert got["scale"] == ref["scale"]

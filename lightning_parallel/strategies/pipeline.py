@@ -26,7 +26,7 @@ from lightning_parallel.pipeline.partition import Partition, make_partition, pru
 from lightning_parallel.pipeline.profile import measure_block_costs
 from lightning_parallel.pipeline.runtime import PipelineRuntime, put_gradients, take_gradients
 from lightning_parallel.pipeline.schedule_plan import ScheduleSpec, analytic_bubble, resolve_schedule
-from lightning_parallel.precision import clip_grad_norm_global
+from lightning_parallel.precision import agree_on_overflow, clip_grad_norm_global
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
 from lightning_parallel.strategies.pending import PendingOutput, swap_attribute
 
@@ -203,6 +203,8 @@ class PipelineParallelStrategy(MeshStrategy):
         if self._runtime is None:
             self._runtime = self._build_runtime(module, network, pp_rank)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        if self._scaler is not None:
+            agree_on_overflow(self._scaler)
         if self.global_rank == 0:
             rank_zero_info(
                 f"PipelineParallelStrategy: {self.spec.name}, {self.describe_layout()}\n{self.partition.table()}"
@@ -221,7 +223,7 @@ class PipelineParallelStrategy(MeshStrategy):
             microbatches=self.microbatches_for(self.dims.pp),
             group=self.group("pp"),
             device=self.root_device,
-            loss_fn=getattr(module, self.loss_attr),
+            loss_fn=self._scaled(getattr(module, self.loss_attr)),
         )
 
     def describe_layout(self) -> str:
@@ -259,7 +261,23 @@ class PipelineParallelStrategy(MeshStrategy):
         commit_batchnorm(self._batchnorms)
         self._fresh_grads = take_gradients(params)
         put_gradients(params, earlier)
+        if loss is not None and self._scaler is not None:
+            loss = loss / self._scaler.get_scale()  # report the loss itself, not the scaled one
         return self._from_last_stage(loss, torch.Size(), torch.float32)
+
+    @property
+    def _scaler(self) -> torch.amp.GradScaler | None:
+        return getattr(self.precision_plugin, "scaler", None)  # fp16 mixed precision only
+
+    def _scaled(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """Under fp16 loss scaling the schedule must back-propagate the scaled loss, as
+        `precision_plugin.backward` would have; the plugin unscales the gradients afterwards."""
+
+        def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            value = loss_fn(output, target)
+            return self._scaler.scale(value) if self._scaler is not None else value  # type: ignore[return-value]
+
+        return loss
 
     def _pipelined_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if kwargs:

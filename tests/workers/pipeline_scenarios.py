@@ -151,11 +151,37 @@ def deferred_batchnorm(strategy: Any, devices: int, out: Path) -> dict[str, Any]
     }
 
 
+def fp16_mixed(strategy: Any, devices: int, out: Path) -> dict[str, Any]:
+    """fp16 autocast with a GradScaler (Lightning allows it on CPU through the plugin)."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    pl.seed_everything(0, verbose=False)
+    data = SyntheticTokensDataModule(vocab_size=16, seq_len=8, num_samples=200, batch_size=16, seed=0)
+    recorder = RunSummary()
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    trainer = _trainer(
+        strategy,
+        devices,
+        [recorder],
+        max_steps=8,
+        logger=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        plugins=[plugin],
+    )
+    with trainer.init_module():
+        model = GPT(**TINY_GPT)
+    task = LanguageModelTask(model, optimizer=SGD)
+    trainer.fit(task, datamodule=data)
+    return {"train_loss": recorder.history["train/loss"], "scale": float(plugin.scaler.get_scale())}
+
+
 SCENARIOS = {
     "lightning_loops": (lightning_loops, {"schedule": "1f1b", "microbatches": 4}),
     "uneven_batches": (uneven_batches, {"schedule": "1f1b", "microbatches": 4}),
     "batchnorm_one_microbatch": (batchnorm_one_microbatch, {"schedule": "gpipe", "microbatches": 1}),
     "bf16_mixed": (bf16_mixed, {"schedule": "1f1b", "microbatches": 4}),
+    "fp16_mixed": (fp16_mixed, {"schedule": "1f1b", "microbatches": 4}),
     "deferred_batchnorm": (deferred_batchnorm, {"schedule": "1f1b", "microbatches": 4, "deferred_batchnorm": True}),
     "balanced_by_time": (balanced_by_time, {"schedule": "1f1b", "microbatches": 4, "balance": "time"}),
 }
