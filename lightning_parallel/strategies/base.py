@@ -30,6 +30,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -100,6 +101,17 @@ class MeshStrategy(ParallelStrategy):
 
     def validate(self, module: pl.LightningModule) -> None:
         """Check the LightningModule before any process is launched (subclasses extend)."""
+
+    def find_network(self, module: pl.LightningModule, required: type[nn.Module], need: str) -> Any:
+        """The network at `module.<network_attr>`, or one clear error naming what this strategy needs."""
+        network = getattr(module, self.network_attr, None)  # type: ignore[attr-defined]
+        if not isinstance(network, required):
+            found = type(network).__name__ if network is not None else "nothing"
+            raise ValueError(
+                f"{need} at `{type(module).__name__}.{self.network_attr}`; found {found}. HINT: store it "  # type: ignore[attr-defined]
+                f"there, or pass network_attr='<attribute>' to {type(self).__name__}"
+            )
+        return network
 
     @property
     def dims(self) -> ParallelDims:

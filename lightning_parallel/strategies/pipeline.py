@@ -132,15 +132,9 @@ class PipelineParallelStrategy(MeshStrategy):
         )
 
     def network_of(self, module: pl.LightningModule) -> nn.Sequential:
-        network = getattr(module, self.network_attr, None)
-        if not isinstance(network, nn.Sequential):
-            found = type(network).__name__ if network is not None else "nothing"
-            raise ValueError(
-                f"pipeline parallelism needs the network as an nn.Sequential of named blocks at "
-                f"`{type(module).__name__}.{self.network_attr}`; found {found}. HINT: store it there, or pass "
-                f"network_attr='<attribute>' to PipelineParallelStrategy"
-            )
-        return network
+        return self.find_network(
+            module, nn.Sequential, "pipeline parallelism needs the network as an nn.Sequential of named blocks"
+        )
 
     def make_partition(self, network: nn.Sequential, trainer: pl.Trainer) -> Partition:
         costs = self._measured_costs(network, trainer) if self.balance == "time" else None

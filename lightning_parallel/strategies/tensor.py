@@ -92,14 +92,7 @@ class TensorParallelStrategy(MeshStrategy):
             self.resolve_plan(network)
 
     def network_of(self, module: pl.LightningModule) -> nn.Module:
-        network = getattr(module, self.network_attr, None)
-        if not isinstance(network, nn.Module):
-            found = type(network).__name__ if network is not None else "nothing"
-            raise ValueError(
-                f"tensor parallelism needs the network as an nn.Module at `{type(module).__name__}.{self.network_attr}`"
-                f"; found {found}. HINT: store it there, or pass network_attr='<attribute>' to TensorParallelStrategy"
-            )
-        return network
+        return self.find_network(module, nn.Module, "tensor parallelism needs the network as an nn.Module")
 
     def resolve_plan(self, network: nn.Module) -> tuple[str, dict[str, str], dict[str, str]]:
         """(source, exact-name plan, why each unplanned module stays whole), checked against this run's sizes."""
