@@ -5,6 +5,8 @@ also checks that consecutive multi-process jobs each get a fresh process group),
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,6 +57,18 @@ def test_every_model_trains_on_four_pipeline_stages(tmp_path: Path) -> None:
     )
     assert tokens.returncode == 0, tokens.stderr[-3000:]
     summaries = [json.loads(p.read_text()) for p in sorted(tmp_path.rglob("summary.json"))]
+    picture = tmp_path / "measured.png"
+    draw = [
+        sys.executable,
+        "-m",
+        "lightning_parallel.insight.schedule_picture",
+        "--from-summary",
+        str(tmp_path / "tokens" / "summary.json"),
+        "--out",
+        str(picture),
+    ]
+    drawn = subprocess.run(draw, capture_output=True, text=True)
+    assert drawn.returncode == 0 and picture.stat().st_size > 10_000, drawn.stderr
     assert sorted(s["model"] for s in summaries) == ["GPT", "ResNet", "SimpleCNN"]
     for summary in summaries:
         parallel = summary["parallel"]
@@ -63,6 +77,11 @@ def test_every_model_trains_on_four_pipeline_stages(tmp_path: Path) -> None:
         assert len(summary["parameter_bytes_per_rank"]) == 4 and len(summary["step_time_s_per_rank"]) == 4
         # No rank holds the whole model: each holds its stages only.
         assert sum(summary["parameter_bytes_per_rank"]) == summary["parameters"] * 4
+        # Measured per rank: idle share inside training steps, and the last step's compute events.
+        assert len(summary["per_rank"]) == 4
+        for rank in summary["per_rank"]:
+            assert 0 < rank["idle_fraction"] < 1
+            assert {kind for _, _, kind, _, _ in rank["events"]} == {"F", "B"}
         if summary["parameters"] > 50_000_000:  # ResNet-152 (ResNet-18 has too few blocks to balance)
             assert max(summary["parameter_bytes_per_rank"]) <= 1.15 * summary["parameters"] * 4 / 4
 

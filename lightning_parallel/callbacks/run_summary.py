@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
@@ -32,6 +33,15 @@ def local_parameter_bytes(module: torch.nn.Module) -> int:
         local = p.to_local() if isinstance(p, DTensor) else p
         total += local.numel() * local.element_size()
     return total
+
+
+def gather_objects(mine: Any) -> list[Any]:
+    """Every rank's picklable `mine`, in rank order (just `[mine]` without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [mine]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
 
 
 class RunSummary(pl.Callback):
@@ -112,6 +122,9 @@ class RunSummary(pl.Callback):
             "parameter_bytes_per_rank": [int(b) for b in per_rank[:, 2]],
             "metrics": {name: self._describe(name, values) for name, values in self.history.items()},
         }
+        measurements = getattr(strategy, "rank_measurements", None)  # e.g. a pipeline's measured idle time
+        if callable(measurements):
+            self.summary["per_rank"] = gather_objects(measurements())
 
     def _describe(self, name: str, values: list[float]) -> dict[str, Any]:
         higher = self.higher_is_better.get(name, False)

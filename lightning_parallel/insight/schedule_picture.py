@@ -7,6 +7,7 @@ PNG or SVG with matplotlib. It measures and simulates nothing itself and launche
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections.abc import Sequence
@@ -246,9 +247,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Draw pipeline schedules as timelines, simulated under unit costs (no processes are started).",
         epilog="Example: --schedule gpipe,1f1b --stages 4 --microbatches 8 --out docs/images/schedule.png",
     )
-    parser.add_argument("--schedule", required=True, help=f"one or more of {','.join(SCHEDULES)}, comma-separated")
-    parser.add_argument("--stages", type=int, required=True, help="pipeline ranks (devices), one row each")
-    parser.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
+    parser.add_argument("--schedule", help=f"one or more of {','.join(SCHEDULES)}, comma-separated")
+    parser.add_argument("--stages", type=int, help="pipeline ranks (devices), one row each")
+    parser.add_argument("--microbatches", type=int, help="micro-batches per step")
+    parser.add_argument(
+        "--from-summary",
+        help="a pipeline run's summary.json: draw its last training step as measured on each rank, "
+        "above the same schedule simulated (the other options are then taken from the run)",
+    )
     parser.add_argument(
         "--stages-per-rank", type=int, default=None, help="stages per rank for the multi-stage schedules (default 2)"
     )
@@ -268,11 +274,41 @@ def _panels_for(names: list[str], *, pp: int, microbatches: int, stages_per_rank
     return panels
 
 
+def measured_panels(summary_path: str | Path) -> list[Panel]:
+    """The measured last training step of a pipeline run (one row per rank) and its simulated schedule."""
+    path = Path(summary_path)
+    if not path.is_file():
+        raise ValueError(f"--from-summary {path} does not exist. HINT: pass a pipeline run's <run dir>/summary.json")
+    summary = json.loads(path.read_text())
+    parallel, per_rank = summary.get("parallel", {}), summary.get("per_rank")
+    if not per_rank or "schedule" not in parallel:
+        raise ValueError(f"{path} holds no measured pipeline events. HINT: use the summary of a strategy=pipeline run")
+    measured = panel_from_events(
+        [rank["events"] for rank in per_rank], heading=f"measured: {display_name(parallel['schedule'])}"
+    )
+    simulated = simulated_panel(
+        parallel["schedule"],
+        pp=parallel["pipeline_size"],
+        microbatches=parallel["microbatches"],
+        stages_per_rank=parallel["stages_per_rank"] if parallel["stages_per_rank"] > 1 else None,
+    )
+    return [measured, simulated]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: draw one schedule, or several stacked for comparison; bad input exits 2 with one line."""
     args = _parser().parse_args(argv)
-    names = [n.strip() for n in args.schedule.split(",") if n.strip()]
+    names = [n.strip() for n in (args.schedule or "").split(",") if n.strip()]
     try:
+        if args.from_summary:
+            panels = measured_panels(args.from_summary)
+            out = draw(panels, args.out)
+            for panel in panels:
+                print(panel.title)
+            print(f"wrote {out}")
+            return 0
+        if args.stages is None or args.microbatches is None:
+            raise ValueError("--stages and --microbatches are required. HINT: e.g. --stages 4 --microbatches 8")
         if not names:
             raise ValueError(f"--schedule {args.schedule!r} names no schedule. HINT: e.g. --schedule gpipe,1f1b")
         panels = _panels_for(

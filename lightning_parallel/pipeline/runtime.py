@@ -16,6 +16,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from lightning_parallel.pipeline.schedule_plan import resolve_schedule
+from lightning_parallel.pipeline.timing import StageTimer
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -114,6 +115,7 @@ class PipelineRuntime:
         self.has_last = num_stages - 1 in self.stage_modules
         self._schedules: dict[tuple, object] = {}
         self.microbatches_used: dict[tuple, tuple[str, int]] = {}
+        self.timer = StageTimer(self.stage_modules)
 
     def _fits(self, name: str, count: int) -> bool:
         try:
@@ -156,11 +158,14 @@ class PipelineRuntime:
     def train_step(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of one batch; gradients land in `.grad`. Returns the mean loss on the
         rank holding the last stage, None elsewhere. Every rank passes the batch."""
+        new = (True, tuple(tuple(t.shape) for t in inputs)) not in self._schedules
         schedule = self._schedule(True, inputs)
         losses: list[torch.Tensor] = []
         args = inputs if self.has_first else ()
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
+        self.timer.begin()
         schedule.step(*args, return_outputs=False, **kwargs)  # type: ignore[attr-defined]
+        self.timer.end(count=not new)  # a new schedule's first step includes shape inference
         return torch.stack([loss.detach().float() for loss in losses]).mean() if self.has_last else None
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | None:

@@ -362,6 +362,12 @@ class PipelineParallelStrategy(MeshStrategy):
         return self._evaluating(super().predict_step, *args, **kwargs)
 
     # ---- what it costs -------------------------------------------------------------------------
+    def rank_measurements(self) -> dict[str, Any]:
+        """This rank's measured idle share and its last training step's compute events (RunSummary
+        gathers them from every rank)."""
+        timer = self.runtime.timer
+        return {"idle_fraction": timer.idle_fraction, "events": timer.last_events}
+
     def describe(self) -> dict[str, Any]:
         """Partition, schedule and analytic bubble, for summary.json."""
         spec, partition = self.spec, self.partition

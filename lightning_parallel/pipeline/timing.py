@@ -1,0 +1,66 @@
+"""When each local pipeline stage computes, measured with module hooks, so the idle time per rank
+(the measured bubble) can be put next to the schedule's analytic one, and drawn.
+
+Forward and full backward are timed; the separate weight-gradient work of zero-bubble schedules
+does not pass through module hooks and counts as idle here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+from torch import nn
+
+# (start_s, end_s, kind "F"/"B", stage, micro-batch); wall-clock seconds, so ranks share one clock
+Event = tuple[float, float, str, int, int]
+
+
+class StageTimer:
+    """Hooks on the stage modules; `step()` brackets one training step."""
+
+    def __init__(self, stage_modules: dict[int, nn.Module]) -> None:
+        self.active = False
+        self.events: list[Event] = []
+        self.last_events: list[Event] = []
+        self.busy_s = 0.0
+        self.wall_s = 0.0
+        self._open: dict[tuple[str, int], float] = {}
+        self._counts: Counter[tuple[str, int]] = Counter()
+        self._step_start = 0.0
+        for index, module in stage_modules.items():
+            module.register_forward_pre_hook(lambda *_, i=index: self._start("F", i))
+            module.register_forward_hook(lambda *_, i=index: self._end("F", i))
+            module.register_full_backward_pre_hook(lambda *_, i=index: self._start("B", i))
+            module.register_full_backward_hook(lambda *_, i=index: self._end("B", i))
+
+    def _start(self, kind: str, stage: int) -> None:
+        if self.active:
+            self._open[(kind, stage)] = time.time()
+
+    def _end(self, kind: str, stage: int) -> Any:
+        start = self._open.pop((kind, stage), None)
+        if self.active and start is not None:
+            microbatch = self._counts[(kind, stage)]
+            self._counts[(kind, stage)] += 1
+            self.events.append((start, time.time(), kind, stage, microbatch))
+        return None
+
+    def begin(self) -> None:
+        self.active, self.events = True, []
+        self._counts.clear()
+        self._step_start = time.time()
+
+    def end(self, *, count: bool) -> None:
+        """Close a step; `count=False` for a step whose schedule was just built (shape inference)."""
+        self.active = False
+        self.last_events = list(self.events)
+        if count:
+            self.busy_s += sum(end - start for start, end, *_ in self.events)
+            self.wall_s += time.time() - self._step_start
+
+    @property
+    def idle_fraction(self) -> float | None:
+        """Share of this rank's time inside training steps spent waiting, not computing."""
+        return 1.0 - self.busy_s / self.wall_s if self.wall_s > 0 else None
