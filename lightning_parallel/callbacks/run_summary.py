@@ -35,6 +35,58 @@ def local_parameter_bytes(module: torch.nn.Module) -> int:
     return total
 
 
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def gradient_and_optimizer_bytes(module: torch.nn.Module, optimizers: list[Any]) -> tuple[int, int]:
+    """Bytes of this process's gradients and optimizer state (after a step, before the next zero_grad)."""
+    grads = sum(_local_bytes(p.grad) for p in module.parameters() if p.grad is not None)
+    state = sum(
+        _local_bytes(value)
+        for optimizer in optimizers
+        for per_param in optimizer.state.values()
+        for value in per_param.values()
+        if isinstance(value, torch.Tensor)
+    )
+    return grads, state
+
+
+def print_rank_table(summary: dict[str, Any], parallel: dict[str, Any]) -> None:
+    """The end-of-run table on rank 0: one row per rank."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from lightning_parallel.insight.sweep_report import format_bytes
+
+    table = Table(title="per rank", title_justify="left")
+    for column in ("rank", "peak memory", "parameters", "gradients", "optimizer", "step time", "idle"):
+        table.add_column(column, justify="right")
+    per_rank = summary.get("per_rank") or [{}] * len(summary["peak_memory_bytes"])
+    step_times = summary["step_time_s_per_rank"] or [None] * len(per_rank)
+    for r, measured in enumerate(per_rank):
+        idle = measured.get("idle_fraction")
+        table.add_row(
+            str(r),
+            *(
+                format_bytes(summary[key][r])
+                for key in (
+                    "peak_memory_bytes",
+                    "parameter_bytes_per_rank",
+                    "gradient_bytes_per_rank",
+                    "optimizer_state_bytes_per_rank",
+                )
+            ),
+            f"{step_times[r] * 1e3:.1f} ms" if step_times[r] is not None else "-",
+            f"{idle:.0%}" if idle is not None else "-",
+        )
+    bubble = parallel.get("bubble_fraction")
+    caption = f"analytic bubble of {parallel['schedule']}: {bubble:.0%}" if bubble is not None else None
+    table.caption = caption
+    Console(stderr=True).print(table)
+
+
 def gather_objects(mine: Any) -> list[Any]:
     """Every rank's picklable `mine`, in rank order (just `[mine]` without a process group)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -55,6 +107,7 @@ class RunSummary(pl.Callback):
         self._step_start = 0.0
         self._step_seconds = 0.0
         self._local_samples = 0
+        self._tensor_bytes = (0, 0)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -72,6 +125,7 @@ class RunSummary(pl.Callback):
     ) -> None:
         self._step_seconds += time.perf_counter() - self._step_start
         self._local_samples += len(batch[0])
+        self._tensor_bytes = gradient_and_optimizer_bytes(pl_module, trainer.optimizers)
         self._record(trainer, "train/loss")
 
     @override
@@ -94,37 +148,65 @@ class RunSummary(pl.Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         wall = time.perf_counter() - self._fit_start
         strategy = trainer.strategy
+        grads, optimizer_state = self._tensor_bytes
         local = torch.tensor(
             [
                 self._local_samples,
                 peak_memory_bytes(strategy.root_device),
                 local_parameter_bytes(pl_module),
+                grads,
+                optimizer_state,
                 round(self._step_seconds * 1e6),  # microseconds: one int64 gather for everything
             ],
             dtype=torch.int64,
         )
-        per_rank = strategy.all_gather(local.to(strategy.root_device)).cpu().reshape(-1, 4)
+        per_rank = strategy.all_gather(local.to(strategy.root_device)).cpu().reshape(-1, 6).tolist()
+        samples, peak, params, grad_bytes, optim_bytes, step_us = (
+            list(column) for column in zip(*per_rank, strict=True)
+        )
         # Ranks of one data-parallel replica see the same batch; count each sample once.
         replicas = (getattr(strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1)
-        samples = int(per_rank[:, 0].sum()) * replicas // max(trainer.world_size, 1)
-        step_seconds = [int(us) / 1e6 for us in per_rank[:, 3]]
+        total_samples = sum(samples) * replicas // max(trainer.world_size, 1)
+        step_seconds = [us / 1e6 for us in step_us]
         steps = trainer.global_step
         self.summary = {
             "steps": steps,
             "epochs": trainer.current_epoch,
             "wall_time_s": wall,
             "train_time_s": max(step_seconds),
-            "samples": samples,
-            "throughput_samples_per_s": samples / max(step_seconds) if max(step_seconds) > 0 else None,
+            "samples": total_samples,
+            "throughput_samples_per_s": total_samples / max(step_seconds) if max(step_seconds) > 0 else None,
             "step_time_s": max(step_seconds) / steps if steps else None,
             "step_time_s_per_rank": [t / steps for t in step_seconds] if steps else None,
-            "peak_memory_bytes": [int(b) for b in per_rank[:, 1]],
-            "parameter_bytes_per_rank": [int(b) for b in per_rank[:, 2]],
+            "peak_memory_bytes": peak,
+            "parameter_bytes_per_rank": params,
+            "gradient_bytes_per_rank": grad_bytes,
+            "optimizer_state_bytes_per_rank": optim_bytes,
             "metrics": {name: self._describe(name, values) for name, values in self.history.items()},
         }
         measurements = getattr(strategy, "rank_measurements", None)  # e.g. a pipeline's measured idle time
         if callable(measurements):
             self.summary["per_rank"] = gather_objects(measurements())
+        if trainer.is_global_zero:
+            self._log_per_rank(trainer)
+            print_rank_table(self.summary, getattr(strategy, "describe", lambda: {})())
+
+    def _log_per_rank(self, trainer: pl.Trainer) -> None:
+        """Per-rank figures to the Lightning logger(s), e.g. `stats/peak_memory_mb/rank1`."""
+        figures = {
+            "peak_memory_mb": self.summary["peak_memory_bytes"],
+            "parameter_mb": self.summary["parameter_bytes_per_rank"],
+            "gradient_mb": self.summary["gradient_bytes_per_rank"],
+            "optimizer_state_mb": self.summary["optimizer_state_bytes_per_rank"],
+        }
+        metrics = {f"stats/{name}/rank{r}": v / 2**20 for name, values in figures.items() for r, v in enumerate(values)}
+        for r, seconds in enumerate(self.summary["step_time_s_per_rank"] or []):
+            metrics[f"stats/step_time_ms/rank{r}"] = seconds * 1e3
+        for r, rank in enumerate(self.summary.get("per_rank", [])):
+            if rank.get("idle_fraction") is not None:
+                metrics[f"stats/idle_fraction/rank{r}"] = rank["idle_fraction"]
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     def _describe(self, name: str, values: list[float]) -> dict[str, Any]:
         higher = self.higher_is_better.get(name, False)
