@@ -108,14 +108,14 @@ class PipelineRuntime:
         self.loss_fn = loss_fn
         self.pp = dist.get_world_size(group)
         self.stages_per_rank = len(self.stage_modules)
-        self.style = resolve_schedule(
-            schedule, pp=self.pp, microbatches=microbatches, stages_per_rank=self.stages_per_rank
-        ).style
+        spec = resolve_schedule(schedule, pp=self.pp, microbatches=microbatches, stages_per_rank=self.stages_per_rank)
+        self.style = spec.style
         self.has_first = 0 in self.stage_modules
         self.has_last = num_stages - 1 in self.stage_modules
         self._schedules: dict[tuple, object] = {}
         self.microbatches_used: dict[tuple, tuple[str, int]] = {}
-        self.timer = StageTimer(self.stage_modules)
+        # Fallback schedules (ANY_COUNT) split the backward only when the configured one does too.
+        self.timer = StageTimer(self.stage_modules, backward=not spec.splits_backward)
 
     def _fits(self, name: str, count: int) -> bool:
         try:

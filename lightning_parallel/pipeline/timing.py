@@ -1,8 +1,9 @@
 """When each local pipeline stage computes, measured with module hooks, so the idle time per rank
 (the measured bubble) can be put next to the schedule's analytic one, and drawn.
 
-Forward and full backward are timed; the separate weight-gradient work of zero-bubble schedules
-does not pass through module hooks and counts as idle here.
+Forward and full backward are timed. Schedules that split the backward (the zero-bubble ones and
+DualPipeV) get forward timing only: module backward hooks wrap the stage's inputs and outputs, which
+breaks torch's separate input-gradient pass, so their backward work counts as idle here.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ Event = tuple[float, float, str, int, int]
 class StageTimer:
     """Hooks on the stage modules; `step()` brackets one training step."""
 
-    def __init__(self, stage_modules: dict[int, nn.Module]) -> None:
+    def __init__(self, stage_modules: dict[int, nn.Module], *, backward: bool) -> None:
         self.active = False
         self.events: list[Event] = []
         self.last_events: list[Event] = []
@@ -32,8 +33,9 @@ class StageTimer:
         for index, module in stage_modules.items():
             module.register_forward_pre_hook(lambda *_, i=index: self._start("F", i))
             module.register_forward_hook(lambda *_, i=index: self._end("F", i))
-            module.register_full_backward_pre_hook(lambda *_, i=index: self._start("B", i))
-            module.register_full_backward_hook(lambda *_, i=index: self._end("B", i))
+            if backward:
+                module.register_full_backward_pre_hook(lambda *_, i=index: self._start("B", i))
+                module.register_full_backward_hook(lambda *_, i=index: self._end("B", i))
 
     def _start(self, kind: str, stage: int) -> None:
         if self.active:
