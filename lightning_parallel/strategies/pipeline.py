@@ -86,6 +86,7 @@ class PipelineParallelStrategy(MeshStrategy):
         self._partition: Partition | None = None
         self._runtime: PipelineRuntime | None = None
         self._fresh_grads: list[torch.Tensor | None] | None = None
+        self._local_params: list[nn.Parameter] | None = None
 
     # ---- sizes and validation (main process, before launch) -------------------------------------
     @override
@@ -298,7 +299,10 @@ class PipelineParallelStrategy(MeshStrategy):
         return dist.get_global_rank(self.group("pp"), last_pp)
 
     def local_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.network_of(self.lightning_module).parameters() if p.requires_grad]
+        # Cached: walking every parameter twice per step cost about 1 ms on a 389-tensor GPT.
+        if self._local_params is None:
+            self._local_params = [p for p in self.network_of(self.lightning_module).parameters() if p.requires_grad]
+        return self._local_params
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
