@@ -1,0 +1,425 @@
+"""Planner prediction vs measurement: the steady step time of train.py runs on this machine against the layout
+planner's estimate, for 12 layouts (single, DDP, pipelines with 3 schedules, tensor, data x pipeline, data x tensor)
+of a tiny GPT and a CIFAR-sized CNN. Writes results/planner_accuracy.{json,md}.
+
+Each of --repeats rounds measures everything once, so calibration and comparison see the same (shared, noisy)
+machine: gloo latency/bandwidth (2-process micro-benchmark), block forward+backward times (in this process, one
+thread: a device here is one single-threaded process), the AdamW step, eight calibration runs of train.py that are
+not compared, then every layout. Medians over the rounds are used; the overheads are solved from the calibration
+runs' residuals. Usage: .venv/bin/python benchmarks/planner_accuracy.py [--steps 20 --repeats 3]  (~9 min, 2 cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lightning_parallel.plan import train_overrides  # noqa: E402
+from lightning_parallel.planner import (  # noqa: E402  # noqa: E402
+    CostModel,
+    Hardware,
+    Layout,
+    Network,
+    Workload,
+    measure_block_seconds,
+    workload_from_module,
+)
+
+RESULTS = ROOT / "benchmarks" / "results"
+TARGET = 0.25
+WARMUP_STEPS = 3  # first steps build schedules, DDP buckets and DTensor sharding caches
+CORES = os.cpu_count() or 1
+# model key -> train.py overrides and the two batch sizes the block timings are fitted on
+MODELS: dict[str, dict[str, Any]] = {
+    "gpt": {"overrides": ["model=transformer", "data=synthetic_tokens"], "sizes": (8, 32)},
+    "cnn": {
+        "overrides": [
+            "model=simple_cnn",
+            "data=synthetic_images",
+            "data.image_size=32",
+            "data.num_classes=10",
+            "data.num_samples=4096",
+            "data.batch_size=64",
+        ],  # fmt: skip
+        "sizes": (16, 64),
+    },
+}
+
+
+def pipe(dp: int, schedule: str, m: int) -> Layout:
+    return Layout(
+        dp=dp, pp=2, schedule=schedule, microbatches=m, stages_per_rank=1 if schedule in ("gpipe", "1f1b") else 2
+    )
+
+
+LAYOUTS: list[tuple[str, Layout]] = [
+    ("gpt", Layout(dp=1)),
+    ("gpt", Layout(dp=2)),
+    ("gpt", pipe(1, "gpipe", 2)),
+    ("gpt", pipe(1, "1f1b", 4)),
+    ("gpt", pipe(1, "interleaved_1f1b", 4)),
+    ("gpt", Layout(dp=1, tp=2)),
+    ("gpt", pipe(2, "1f1b", 2)),
+    ("gpt", Layout(dp=2, tp=2, dp_shard=True)),
+    ("cnn", Layout(dp=1)),
+    ("cnn", Layout(dp=2)),
+    ("cnn", pipe(1, "1f1b", 4)),
+    ("cnn", Layout(dp=1, tp=2)),
+]
+# Calibration runs, none of them in LAYOUTS: (model, layout, batch), grouped by the constant they pin down. Their
+# micro-batches lie within the block timings' fitted sizes.
+CALIBRATION: dict[str, list[tuple[str, Layout, int]]] = {
+    "step_overhead": [("gpt", Layout(dp=1), 8), ("cnn", Layout(dp=1), 16)],
+    "sync_overhead": [("gpt", Layout(dp=2), 8), ("cnn", Layout(dp=2), 16)],
+    "action_overhead": [("gpt", pipe(1, "gpipe", 2), 16), ("cnn", pipe(1, "gpipe", 2), 32)],
+    "collective_overhead": [("gpt", Layout(dp=1, tp=2), 8), ("cnn", Layout(dp=1, tp=2), 16)],
+}
+
+
+# ---- steady-state step times inside train.py ------------------------------------------------------------------------
+class StepTimes(pl.Callback):
+    """Added to the measured train.py runs (+callbacks.step_times): per-step seconds per rank, written to
+    `step_times_rank<r>.json` in the run directory, so the warm-up of the first steps can be left out."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.seconds.append(time.perf_counter() - self._start)
+
+    def on_fit_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        path = Path(trainer.default_root_dir) / f"step_times_rank{trainer.global_rank}.json"
+        path.write_text(json.dumps(self.seconds))
+
+
+# ---- configs and workloads ----------------------------------------------------------------------------------------
+def compose_cfg(overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("train", overrides=[*overrides, "paths.output_dir=/tmp/unused"])
+
+
+def build(key: str) -> tuple[Workload, torch.nn.Sequential, torch.Tensor, DictConfig]:
+    """The model's meta-device workload, the model itself (CPU, seeded), one input sample and the config."""
+    cfg = compose_cfg(MODELS[key]["overrides"])
+    data = instantiate(cfg.data)
+    hints = {k: v for k, v in data.model_hints.items() if OmegaConf.is_missing(cfg.model, k)}
+    torch.manual_seed(0)
+    model = instantiate(cfg.model, **hints)
+    sample = data.splits()[0][0][0]
+    return workload_from_module(model, sample.unsqueeze(0).expand(2, *sample.shape)), model, sample, cfg
+
+
+def time_blocks(key: str, model: torch.nn.Sequential, sample: torch.Tensor) -> list[tuple[float, float]]:
+    """(fixed, per-sample) forward + backward seconds per block, one thread, at the model's two fit sizes."""
+    return measure_block_seconds(
+        model, lambda n: sample.unsqueeze(0).expand(n, *sample.shape).contiguous(), sizes=MODELS[key]["sizes"],
+        repeats=9, warmup=3, threads=1,
+    )  # fmt: skip
+
+
+def adam_seconds_per_parameter(model: torch.nn.Module) -> float:
+    torch.set_num_threads(1)
+    params = [p for p in model.parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    times = []
+    for run in range(25):
+        start = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        if run >= 5:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) / sum(p.numel() for p in params)
+
+
+# ---- machine micro-benchmarks (plain torch scripts, started together) ---------------------------------------------
+SIZES = [1 << 10, 1 << 14, 1 << 17, 1 << 19, 1 << 21]  # bytes
+COMM_SCRIPT = """
+import json, statistics, sys, time, torch, torch.distributed as dist
+rank, port, out, sizes = int(sys.argv[1]), sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+result = {"all_reduce": [], "send": []}
+for size in sizes:
+    tensor = torch.zeros(size // 4)
+    for kind in result:
+        times = []
+        for run in range(33):
+            dist.barrier()
+            start = time.perf_counter()
+            if kind == "all_reduce":
+                dist.all_reduce(tensor)
+            elif rank == 0:  # a round trip, halved: one message each way
+                dist.send(tensor, 1); dist.recv(tensor, 1)
+            else:
+                dist.recv(tensor, 0); dist.send(tensor, 0)
+            if run >= 3:
+                times.append((time.perf_counter() - start) / (1 if kind == "all_reduce" else 2))
+        result[kind].append(statistics.median(times))
+if rank == 0:
+    open(out, "w").write(json.dumps(result))
+dist.destroy_process_group()
+"""
+
+
+def run_scripts(script: str, argv: list[list[str]], timeout: float = 120) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", script, *args], env=env) for args in argv]
+    try:
+        for proc in procs:
+            proc.wait(timeout=timeout)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Theil-Sen ``y = a + b x``: median pairwise slope, median intercept; one disturbed size cannot tilt it."""
+    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))]
+    b = max(statistics.median(slopes), 1e-15)
+    return max(0.0, statistics.median(y - b * x for x, y in zip(xs, ys, strict=True))), b
+
+
+def measure_network() -> dict[str, Any]:
+    """gloo latency and bandwidth between 2 local processes, from all-reduce and send/recv times over SIZES."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/comm.json"
+        run_scripts(COMM_SCRIPT, [[str(rank), port, out, json.dumps(SIZES)] for rank in range(2)])
+        raw = json.loads(Path(out).read_text())
+    ar_fixed, ar_per_byte = fit_line(SIZES, raw["all_reduce"])  # n=2: 2 latency + bytes / bandwidth
+    p2p_fixed, p2p_per_byte = fit_line(SIZES, raw["send"])  # latency + bytes / bandwidth
+    return {"latency": (ar_fixed / 2 + p2p_fixed) / 2, "bandwidth": 2 / (ar_per_byte + p2p_per_byte), "seconds": raw}
+
+
+# ---- train.py runs -------------------------------------------------------------------------------------------------
+def run_train(key: str, layout: Layout, steps: int, batch: int | None = None) -> dict[str, Any]:
+    """One train.py run; the steady step is the slowest rank's median step after the first WARMUP_STEPS."""
+    overrides = train_overrides(layout)
+    assert overrides is not None, layout
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [
+            sys.executable, str(ROOT / "train.py"), *MODELS[key]["overrides"], *overrides,
+            *([f"data.batch_size={batch}"] if batch else []),
+            "trainer.accelerator=cpu", f"trainer.max_steps={steps}", "trainer.limit_val_batches=0", "callbacks=none",
+            "+callbacks.step_times._target_=planner_accuracy.StepTimes", "~logger",
+            "+trainer.enable_progress_bar=false",
+            f"hydra.run.dir={tmp}/run",
+        ]  # fmt: skip
+        path = os.pathsep.join([str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+        load = os.getloadavg()[0]
+        done = subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{key} {layout.label}: train.py failed:\n{done.stderr[-3000:]}")
+        run = Path(tmp) / "run"
+        summary = json.loads((run / "summary.json").read_text())
+        per_rank = [json.loads(p.read_text()) for p in sorted(run.glob("step_times_rank*.json"))]
+    steady = max(statistics.median(times[WARMUP_STEPS:]) for times in per_rank)
+    return {"steady_s": steady, "step_time_s": summary["step_time_s"], "load_before": load,
+            "parameter_bytes_per_rank": summary["parameter_bytes_per_rank"]}  # fmt: skip
+
+
+def predict(workload: Workload, base: Hardware, layout: Layout, batch: int) -> Any:
+    # more single-threaded processes than cores share them: each computes proportionally slower
+    scaled = replace(base, compute_scale=max(1.0, layout.devices / CORES))
+    return CostModel(workload, scaled, precision="32-true").estimate(layout, batch=batch)
+
+
+def solve_overheads(
+    workloads: dict[str, Workload], base: Hardware, steady: dict[str, list[float]]
+) -> tuple[Hardware, list[dict[str, Any]]]:
+    """Each constant in turn: the mean over its runs of (measured - predicted without it) / (its time per unit)."""
+    record = []
+    for constant, runs in CALIBRATION.items():
+        values = []
+        for (key, layout, batch), measured in zip(runs, steady[constant], strict=True):
+            without = predict(workloads[key], replace(base, **{constant: 0.0}), layout, batch).step_time
+            unit = predict(workloads[key], replace(base, **{constant: 1e-3}), layout, batch).step_time
+            values.append((measured - without) / (unit - without) * 1e-3)
+            record.append({"constant": constant, "model": key, "layout": describe_layout(layout), "batch": batch,
+                           "steady_s": measured, "solved_s": values[-1]})  # fmt: skip
+        base = replace(base, **{constant: max(0.0, statistics.fmean(values))})
+    return base, record
+
+
+# ---- report --------------------------------------------------------------------------------------------------------
+def describe_layout(layout: Layout) -> str:
+    name = {"single": "single", "ddp": "ddp", "fsdp": "fsdp"}.get(layout.kind, layout.label)
+    if layout.pp > 1:
+        name = f"{layout.label} {layout.schedule} m={layout.microbatches}"
+    elif layout.tp > 1:
+        name = layout.label + (" (fsdp)" if layout.dp_shard else "")
+    return name
+
+
+def write_report(result: dict[str, Any]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "planner_accuracy.json").write_text(json.dumps(result, indent=2))
+    rows = result["layouts"]
+    within = sum(abs(r["error"]) <= TARGET for r in rows)
+    within_mean = sum(abs(r["error_vs_summary"]) <= TARGET for r in rows)
+    hw, net = result["calibration"]["hardware"], result["calibration"]["hardware"]["network"]
+    lines = [
+        "# Planner accuracy: predicted vs measured step time",
+        "",
+        f"`benchmarks/planner_accuracy.py`, {result['when']}, {result['machine']}; {result['wall_s'] / 60:.1f} min. "
+        f"Each layout ran {result['repeats']} times x {result['steps']} steps of `train.py` (interleaved, one thread "
+        f"per process, gloo). **Measured** = the slowest rank's median step after the first {WARMUP_STEPS} (recorded "
+        "by a callback the benchmark adds), median over the runs; the planner predicts this steady-state step. "
+        "`step_time_s` of summary.json (mean over all steps, warm-up included) is shown next to it. Load average "
+        f"before the runs: median {result['load_median']:.2f} on {CORES} cores (other engineers' jobs share them).",
+        "",
+        f"**{within} of {len(rows)} layouts within {TARGET:.0%} of the steady step**; median |error| "
+        f"{statistics.median(abs(r['error']) for r in rows):.1%}, largest {max(abs(r['error']) for r in rows):.1%}. "
+        f"Against summary.json's warm-up-inclusive mean: {within_mean} of {len(rows)} within {TARGET:.0%}.",
+        "",
+        "| model | layout | train.py overrides | predicted ms | measured ms (median, min-max) | error | within 25% | "
+        "summary.json step_time_s ms | error | params/rank exact |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        steady = r["measured_runs_s"]
+        lines.append(
+            f"| {r['model']} | {r['describe']} | `{' '.join(r['overrides'])}` | {r['predicted_s'] * 1e3:.1f} | "
+            f"{r['measured_s'] * 1e3:.1f} ({min(steady) * 1e3:.1f}-{max(steady) * 1e3:.1f}) | {r['error']:+.1%} | "
+            f"{'yes' if abs(r['error']) <= TARGET else 'NO'} | {r['summary_step_time_s'] * 1e3:.1f} | "
+            f"{r['error_vs_summary']:+.1%} | {'yes' if r['params_match'] else 'NO'} |"
+        )
+    lines += [
+        "",
+        "Models: `gpt` = `model=transformer data=synthetic_tokens` (4 blocks, width 128, 32 tokens, batch 32); `cnn` = "
+        "`model=simple_cnn data=synthetic_images data.image_size=32 data.num_classes=10` (batch 64). "
+        "params/rank exact: the planner's parameter bytes per pipeline rank equal summary.json's "
+        "`parameter_bytes_per_rank`.",
+        "",
+        "Calibrated constants (copied into `conf/hardware/cpu.yaml`): step overhead "
+        f"{hw['step_overhead'] * 1e3:.2f} ms, "
+        f"multi-process sync overhead {hw['sync_overhead'] * 1e3:.2f} ms per step, pipeline action overhead "
+        f"{hw['action_overhead'] * 1e3:.3f} ms, DTensor collective overhead "
+        f"{hw['collective_overhead'] * 1e3:.3f} ms per "
+        f"collective, Adam {hw['optimizer_time'] * 1e9:.2f} ns/parameter, gloo latency "
+        f"{net['intra_latency'] * 1e6:.0f} us and bandwidth {net['intra_bandwidth'] / 1e9:.2f} GB/s; compute time x "
+        f"devices / {CORES} when processes outnumber cores.",
+        "",
+        "How (every round, medians over rounds): block forward+backward times are fitted as fixed + per-sample from "
+        "timings at two batch sizes (gpt 8 and 32, cnn 16 and 64) in this process, one thread; latency and bandwidth "
+        "come from a Theil-Sen fit of 2-process gloo all-reduce and send/recv times over 1 KiB-2 MiB; Adam from timing "
+        "AdamW on the gpt. Then, in turn, each overhead is the mean over two train.py runs that are not in the table "
+        "of (measured - predicted without it) / (its time per unit): the step overhead from single-process runs at "
+        "batch 8 (gpt) / 16 (cnn), the sync overhead from DDP runs at batch 8 / 16, the pipeline action overhead from "
+        "GPipe runs with 2 micro-batches at batch 16 / 32, the (DTensor) collective overhead from tp=2 runs at batch "
+        "8 / 16.",
+    ]
+    (RESULTS / "planner_accuracy.md").write_text("\n".join(lines) + "\n")
+
+
+def measure_round(built: dict[str, tuple], steps: int) -> dict[str, Any]:
+    """Everything measured once: machine figures, block timings, calibration runs, then every layout."""
+    started = time.perf_counter()
+    found: dict[str, Any] = {"network": measure_network()}
+    found["blocks"] = {key: time_blocks(key, model, sample) for key, (_, model, sample, _) in built.items()}
+    found["adam"] = adam_seconds_per_parameter(built["gpt"][1])
+    found["calibration"] = {
+        constant: [run_train(key, layout, steps, batch)["steady_s"] for key, layout, batch in runs]
+        for constant, runs in CALIBRATION.items()
+    }
+    found["layouts"] = [run_train(key, layout, steps) for key, layout in LAYOUTS]
+    print(f"round in {time.perf_counter() - started:.0f} s, load {os.getloadavg()[0]:.2f}", flush=True)
+    return found
+
+
+def median_of(values: list[Any]) -> Any:
+    """Element-wise median of equally shaped nests of lists / tuples / dicts of numbers."""
+    first = values[0]
+    if isinstance(first, dict):
+        return {k: median_of([v[k] for v in values]) for k in first}
+    if isinstance(first, list | tuple):
+        return [median_of([v[i] for v in values]) for i in range(len(first))]
+    return statistics.median(values)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    built = {key: build(key) for key in MODELS}
+    rounds = [measure_round(built, args.steps) for _ in range(args.repeats)]
+    figures = median_of([{k: r[k] for k in ("network", "blocks", "adam", "calibration")} for r in rounds])
+    network = Network(devices_per_node=64, intra_bandwidth=figures["network"]["bandwidth"],
+                      intra_latency=figures["network"]["latency"], inter_bandwidth=figures["network"]["bandwidth"],
+                      inter_latency=figures["network"]["latency"])  # fmt: skip
+    workloads = {key: built[key][0].with_seconds(figures["blocks"][key]) for key in MODELS}
+    base = Hardware(name="CPU process", memory="4GB", flops=1e12, efficiency=1.0, network=network,
+                    optimizer_time=figures["adam"])  # fmt: skip
+    base, calibration_runs = solve_overheads(workloads, base, figures["calibration"])
+    rows = []
+    for index, (key, layout) in enumerate(LAYOUTS):
+        batch = int(built[key][3].data.batch_size)
+        estimate = predict(workloads[key], base, layout, batch)
+        runs = [r["layouts"][index] for r in rounds]
+        median = statistics.median(r["steady_s"] for r in runs)
+        summary_median = statistics.median(r["step_time_s"] for r in runs)
+        predicted_bytes = [p * 4 for p in estimate.parameters_per_rank]
+        actual = runs[0]["parameter_bytes_per_rank"]
+        # ranks are laid out dp outermost, tp innermost: compare the first replica's pipeline ranks (one tp rank each)
+        first = [actual[r * layout.tp] for r in range(layout.pp)]
+        rows.append({
+            "model": key, "layout": asdict(layout), "describe": describe_layout(layout),
+            "overrides": train_overrides(layout), "predicted_s": estimate.step_time, "breakdown_s": estimate.time,
+            "measured_s": median, "measured_runs_s": [r["steady_s"] for r in runs],
+            "error": estimate.step_time / median - 1, "summary_step_time_s": summary_median,
+            "summary_runs_s": [r["step_time_s"] for r in runs],
+            "error_vs_summary": estimate.step_time / summary_median - 1,
+            "load_before": [r["load_before"] for r in runs], "parameter_bytes_predicted": predicted_bytes,
+            "parameter_bytes_measured": actual, "params_match": first == predicted_bytes,
+        })  # fmt: skip
+        print(f"{key:4s} {describe_layout(layout):40s} predicted {estimate.step_time * 1e3:7.1f} ms  steady "
+              f"{median * 1e3:7.1f} ms  error {rows[-1]['error']:+.1%}  (summary {summary_median * 1e3:.1f} ms)",
+              flush=True)  # fmt: skip
+    result = {
+        "when": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": f"{platform.machine()}, {CORES} CPUs, torch {torch.__version__}",
+        "steps": args.steps, "repeats": args.repeats, "target": TARGET, "wall_s": time.perf_counter() - started,
+        "load_median": statistics.median(x for r in rows for x in r["load_before"]),
+        "calibration": {"hardware": asdict(base), "runs": calibration_runs,
+                        "rounds": [{k: r[k] for k in ("network", "blocks", "adam")} for r in rounds],
+                        "block_seconds": figures["blocks"]},
+        "layouts": rows,
+    }  # fmt: skip
+    write_report(result)
+    print(f"wrote {RESULTS / 'planner_accuracy.md'} in {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

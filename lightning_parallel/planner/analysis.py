@@ -1,0 +1,233 @@
+"""Analyse an ``nn.Sequential`` of named blocks on the meta device: per-block parameters, FLOPs, saved activations,
+outputs and tensor-parallel traffic, each split by what the model's tensor-parallel plan shards.
+
+One meta forward + backward per block (FlopCounterMode, saved-tensor hooks, forward hooks); nothing is materialised
+and nothing is timed (``measure.py`` times).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_parallel.planner.workload import Block, Workload, human_count
+from lightning_parallel.tensor.plans import expand_plan
+
+# style -> parameter names it splits across tensor-parallel ranks (as tensor/plans.py and tensor/conv.py apply them)
+SHARDED_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "colwise": ("weight", "bias"),
+    "rowwise": ("weight",),
+    "colwise_gather": ("weight", "bias"),
+    "vocab_parallel": ("weight",),
+    "conv_colwise": ("weight", "bias"),
+    "conv_rowwise": ("weight",),
+    "batchnorm_sharded": ("weight", "bias"),
+}
+# style -> collectives per forward + backward: (kind, what is communicated: the module's "input" or "output")
+COLLECTIVES: dict[str, tuple[tuple[str, str], ...]] = {
+    "colwise": (("all_reduce", "input"),),  # backward: the replicated input's gradient is summed
+    "rowwise": (("all_reduce", "output"),),  # forward: partial outputs are summed
+    "colwise_gather": (("all_gather", "output"), ("all_reduce", "input")),
+    "vocab_parallel": (("all_reduce", "output"),),
+    "conv_colwise": (("all_reduce", "input"),),
+    "conv_rowwise": (("all_reduce", "output"),),
+}
+# styles whose module output is a shard, and styles whose module input is a shard
+_SHARDED_OUTPUT = {"colwise", "conv_colwise", "batchnorm_sharded"}
+_SHARDED_INPUT = {"rowwise", "conv_rowwise", "batchnorm_sharded"}
+
+
+def workload_from_module(
+    model: nn.Sequential, sample: torch.Tensor, *, plan: Mapping[str, str] | None = None, name: str | None = None
+) -> Workload:
+    """Analyse an ``nn.Sequential`` of named blocks with one forward + backward on the meta device.
+
+    Args:
+        model: The model; moved to nothing, only its meta-device copy runs (build it on meta to save memory).
+        sample: A batch of at least 2 samples (BatchNorm needs 2), any device; only its shape and dtype are used.
+        plan: Tensor-parallel plan ``{pattern: style}``; None uses the model's ``tp_plan`` attribute, if any.
+        name: Shown in the plan's header; defaults to the class name and parameter count.
+
+    Returns:
+        Per-sample figures (FLOPs, saved activations, outputs, collectives) from the meta run, parameters exact.
+    """
+    if not isinstance(model, nn.Sequential) or len(model) < 1:
+        raise ValueError(
+            f"the planner needs an nn.Sequential of named blocks, got {type(model).__name__}. "
+            "HINT: build the model like lightning_parallel.models.GPT (a flat sequence of blocks)"
+        )
+    if sample.dim() < 1 or sample.shape[0] < 2:
+        raise ValueError(f"sample batch has shape {tuple(sample.shape)}; need >= 2 samples. HINT: a batch of 2")
+    own = getattr(model, "tp_plan", None) if plan is None else plan
+    styles = expand_plan(model, own) if own else {}
+    meta = model if all(t.is_meta for t in [*model.parameters(), *model.buffers()]) else copy.deepcopy(model).to("meta")
+    x = torch.empty(sample.shape, dtype=sample.dtype, device="meta")
+    blocks = []
+    for index, (block_name, block) in enumerate(meta.named_children()):
+        # the block's own plan entries, by name relative to the block ("" = the block itself)
+        local = {key.removeprefix(block_name).removeprefix("."): style for key, style in styles.items()
+                 if key == block_name or key.startswith(f"{block_name}.")}  # fmt: skip
+        x, figures = _analyse_block(block, x, local, needs_input_grad=index > 0)
+        blocks.append(Block(name=block_name, **figures))
+    total = sum(b.params for b in blocks)
+    label = name or f"{type(model).__name__} ({human_count(total)} parameters)"
+    return Workload(name=label, blocks=tuple(blocks), tp_modulus=tp_modulus(model, styles))
+
+
+def tp_modulus(model: nn.Module, styles: Mapping[str, str]) -> int:
+    """The gcd of every size an expanded plan shards (features, heads, channels, vocabulary); 1 without a plan.
+
+    Mirrors the divisibility rules of ``tensor.plans.check_plan``, so a size divides it exactly when that check passes.
+    """
+    modules = dict(model.named_modules())
+    modulus = 0
+    for name, style in styles.items():
+        module = modules[name]
+        sizes: list[int] = []
+        if isinstance(module, nn.Linear) and style in ("colwise", "colwise_gather", "rowwise"):
+            features = module.in_features if style == "rowwise" else module.out_features
+            sizes.append(features)
+            parent = modules.get(name.rpartition(".")[0]) if "." in name else None
+            head_dim = getattr(parent, "head_dim", None)
+            if isinstance(head_dim, int) and head_dim > 0 and features % head_dim == 0:
+                sizes.append(features // head_dim)
+        elif isinstance(module, nn.Embedding) and style in ("colwise", "vocab_parallel"):
+            sizes.append(module.embedding_dim if style == "colwise" else module.num_embeddings)
+        elif isinstance(module, nn.Conv2d) and style in ("conv_colwise", "conv_rowwise"):
+            sizes.append(module.out_channels if style == "conv_colwise" else module.in_channels)
+        elif isinstance(module, nn.BatchNorm2d) and style == "batchnorm_sharded":
+            sizes.append(module.num_features)
+        for size in sizes:
+            modulus = math.gcd(modulus, size)
+    return modulus or 1
+
+
+def _analyse_block(
+    block: nn.Module, x: torch.Tensor, styles: dict[str, str], *, needs_input_grad: bool
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """One meta forward + backward of a block: its per-sample figures, and its output (the next block's input)."""
+    batch = x.shape[0]
+    tracker = _ShardTracker(dict(block.named_modules()), styles)
+    saved: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    if needs_input_grad and x.is_floating_point():
+        x = x.detach().requires_grad_(True)
+    # Two counters: torch's per-module attribution is right for forward ops only, so backward adds to the total.
+    with tracker, FlopCounterMode(display=False) as forward:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = block(x)
+    with FlopCounterMode(display=False) as backward:
+        if out.requires_grad:
+            out.backward(torch.empty_like(out))
+    params = list(block.parameters())
+    activations, tp_activations = tracker.saved_elements(saved, {id(p) for p in params})
+    forward_flops, sharded_flops = tracker.flops(forward.get_flop_counts(), type(block).__name__)
+    flops = forward_flops + backward.get_total_flops()
+    figures = {
+        "params": sum(p.numel() for p in params),
+        "tp_params": tracker.sharded_params(),
+        "flops": flops / batch,
+        "tp_flops": flops * sharded_flops / forward_flops / batch if forward_flops else 0.0,
+        "activations": activations / batch,
+        "tp_activations": tp_activations / batch,
+        "output": out.numel() / batch,
+        "collectives": tuple((kind, elements / batch) for kind, elements in tracker.collectives),
+    }
+    return out.detach(), figures
+
+
+class _ShardTracker:
+    """Forward hooks that record which tensors of a block are tensor-parallel shards, and its collectives."""
+
+    def __init__(self, modules: dict[str, nn.Module], styles: dict[str, str]) -> None:
+        self.modules, self.styles = modules, styles
+        self.sharded: dict[int, torch.Tensor] = {}  # id -> tensor (kept alive so ids stay unique)
+        self.collectives: list[tuple[str, float]] = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def __enter__(self) -> _ShardTracker:
+        for name, module in self.modules.items():
+            style = self.styles.get(name)
+            leaf_without_params = not any(True for _ in module.children()) and not any(
+                True for _ in module.parameters()
+            )
+            if style is not None or leaf_without_params:
+                self._handles.append(module.register_forward_pre_hook(self._pre_hook(style)))
+                self._handles.append(module.register_forward_hook(self._hook(style, propagate=leaf_without_params)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _mark(self, tensor: object) -> None:
+        # a Linear on (B, T, C) returns a view of a 2-D result, and saved tensors are views of that result
+        if isinstance(tensor, torch.Tensor):
+            self.sharded[id(tensor)] = tensor
+            if tensor._base is not None:
+                self.sharded[id(tensor._base)] = tensor._base
+
+    def _pre_hook(self, style: str | None) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple) -> None:
+            if style in _SHARDED_INPUT and args:
+                self._mark(args[0])
+
+        return hook
+
+    def _hook(self, style: str | None, *, propagate: bool) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if style in _SHARDED_OUTPUT or (propagate and first is not None and id(first) in self.sharded):
+                self._mark(output)
+            for kind, what in COLLECTIVES.get(style or "", ()):
+                tensor = first if what == "input" else output
+                if isinstance(tensor, torch.Tensor) and (what == "output" or tensor.requires_grad):
+                    self.collectives.append((kind, float(tensor.numel())))
+
+        return hook
+
+    def sharded_params(self) -> int:
+        total = 0
+        for name, style in self.styles.items():
+            for key in SHARDED_PARAMETERS.get(style, ()):
+                param = getattr(self.modules[name], key, None)
+                total += param.numel() if isinstance(param, torch.Tensor) else 0
+        return total
+
+    def saved_elements(self, saved: list[torch.Tensor], parameter_ids: set[int]) -> tuple[float, float]:
+        """(all, sharded) elements saved for backward, each underlying tensor once, parameters excluded."""
+        seen: dict[int, tuple[int, bool]] = {}
+        for tensor in saved:
+            base = tensor._base if tensor._base is not None else tensor
+            if id(base) in parameter_ids or id(tensor) in parameter_ids:
+                continue
+            sharded = id(base) in self.sharded or id(tensor) in self.sharded
+            elements, was_sharded = seen.get(id(base), (0, False))
+            seen[id(base)] = (max(elements, base.numel()), was_sharded or sharded)
+        return float(sum(e for e, _ in seen.values())), float(sum(e for e, s in seen.values() if s))
+
+    def flops(self, counts: Mapping[str, Mapping[object, int]], root: str) -> tuple[float, float]:
+        """(all, sharded) forward FLOPs: planned sharded modules, plus the own work of modules made only of them."""
+
+        def total(name: str) -> float:
+            key = root if not name else f"{root}.{name}"
+            return float(sum(counts.get(key, {}).values()))
+
+        sharding = {name for name, style in self.styles.items() if style in COLLECTIVES}
+        sharded = sum(total(name) for name in sharding)
+        for name, module in self.modules.items():
+            children = {f"{name}.{c}" if name else c: m for c, m in module.named_children()}
+            with_params = [c for c, m in children.items() if any(True for _ in m.parameters())]
+            if children and name not in sharding and with_params and all(c in sharding for c in with_params):
+                sharded += total(name) - sum(total(c) for c in children)
+        return float(sum(counts.get("Global", {}).values())), sharded

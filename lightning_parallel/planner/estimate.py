@@ -1,0 +1,315 @@
+"""Per-device memory and step time of one layout (data x pipeline x tensor, schedule, micro-batches) of a workload.
+
+Pure arithmetic over ``Workload`` figures, a ``Hardware`` and the schedule's unit-cost bubble; it enumerates no
+layouts (``search.py`` does) and measures nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_parallel.pipeline.partition import split_by_cost
+from lightning_parallel.pipeline.schedule_plan import resolve_schedule
+from lightning_parallel.planner.hardware import Hardware, precision_bytes
+from lightning_parallel.planner.schedule_costs import schedule_cost
+from lightning_parallel.planner.workload import Workload
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """How ``dp * pp * tp`` devices share the work.
+
+    Args:
+        dp: Data-parallel replicas.
+        pp: Pipeline ranks per replica.
+        tp: Tensor-parallel ranks per pipeline rank.
+        dp_shard: Replicas shard parameters, gradients and optimizer state (FSDP / ZeRO-3) instead of copying them.
+        schedule: Pipeline schedule (``pipeline.schedule_plan.SCHEDULES``) when ``pp > 1``.
+        microbatches: Micro-batches per step (1 without a pipeline).
+        stages_per_rank: Pipeline stages per rank (2 for the multi-stage schedules).
+    """
+
+    dp: int
+    pp: int = 1
+    tp: int = 1
+    dp_shard: bool = False
+    schedule: str | None = None
+    microbatches: int = 1
+    stages_per_rank: int = 1
+
+    def __post_init__(self) -> None:
+        if min(self.dp, self.pp, self.tp, self.microbatches, self.stages_per_rank) < 1:
+            raise ValueError(f"layout sizes must be >= 1, got {self}. HINT: use 1 to switch a dimension off")
+        if (self.pp > 1) != (self.schedule is not None):
+            raise ValueError(
+                f"a pipeline (pp={self.pp}) needs a schedule and only a pipeline has one. HINT: pp=2 schedule=1f1b"
+            )
+
+    @property
+    def devices(self) -> int:
+        """Devices the layout uses: ``dp * pp * tp``."""
+        return self.dp * self.pp * self.tp
+
+    @property
+    def label(self) -> str:
+        """``dp4 x pp2 x tp1``."""
+        return f"dp{self.dp} x pp{self.pp} x tp{self.tp}"
+
+    @property
+    def kind(self) -> str:
+        """The parallelism in words: ``ddp``, ``fsdp``, ``pipeline``, ``tensor``, ``pipeline+ddp``, ..."""
+        parts = [name for name, size in (("pipeline", self.pp), ("tensor", self.tp)) if size > 1]
+        if self.dp > 1:
+            parts.append("fsdp" if self.dp_shard else "ddp")
+        return "+".join(parts) or "single"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a layout costs. Memory figures are bytes on the fullest device; times are seconds per step.
+
+    ``memory`` has keys params, grads, optimizer, activations, total; ``time`` has keys compute, tp_comm,
+    pp_comm, bubble, dp_comm, optimizer, overhead (they sum to ``step_time``).
+    """
+
+    layout: Layout
+    batch: int  # samples per replica per step
+    memory: dict[str, float]
+    capacity: float  # usable bytes per device
+    time: dict[str, float]
+    bubble_fraction: float
+    parameters_per_rank: tuple[int, ...]  # per pipeline rank, on one device (tensor shard, data-parallel shard)
+    exact_schedule: bool = True  # False: the bubble and in-flight counts were extrapolated (large pipelines)
+
+    @property
+    def step_time(self) -> float:
+        return sum(self.time.values())
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second over all replicas."""
+        return self.batch * self.layout.dp / self.step_time if self.step_time > 0 else float("inf")
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["total"] <= self.capacity
+
+    @property
+    def communication(self) -> float:
+        """Seconds per step spent in exposed communication."""
+        return self.time["tp_comm"] + self.time["pp_comm"] + self.time["dp_comm"]
+
+
+@dataclass(frozen=True)
+class _Rank:
+    """One pipeline rank's aggregated figures at a given tensor-parallel size (per sample where noted)."""
+
+    params: float  # local parameters (tensor shard), before any data-parallel sharding
+    largest_block: float  # local parameters of its largest block (what FSDP gathers at once)
+    fixed: float  # seconds per micro-batch that do not scale with its size
+    per_sample: float  # seconds per sample
+    comm_fixed: float
+    comm_per_sample: float
+    activations: float  # bytes saved per sample over all its stages
+    blocks: int
+
+
+class CostModel:
+    """Estimates layouts of one workload on one hardware; caches what layouts share (splits, per-rank sums).
+
+    Args:
+        workload: The model's figures.
+        hardware: The devices and network.
+        precision: A Lightning precision name (bytes per parameter, gradient, state, activation).
+        optimizer_states: Optimizer state elements per parameter (Adam: 2, SGD with momentum: 1).
+    """
+
+    def __init__(
+        self, workload: Workload, hardware: Hardware, *, precision: str = "32-true", optimizer_states: int = 2
+    ):
+        if optimizer_states < 0:
+            raise ValueError(f"optimizer_states={optimizer_states} must be >= 0. HINT: Adam keeps 2, SGD 0 or 1")
+        self.workload, self.hardware, self.precision = workload, hardware, precision
+        self.optimizer_states = optimizer_states
+        self.param_bytes, self.grad_bytes, self.state_bytes, self.act_bytes = precision_bytes(precision)
+        self.rate = hardware.flops_for(precision) * hardware.efficiency
+        self._split = functools.lru_cache(maxsize=None)(self._split_uncached)
+        self._ranks = functools.lru_cache(maxsize=None)(self._ranks_uncached)
+
+    # ---- what layouts share ----------------------------------------------------------------------
+    def _split_uncached(self, num_stages: int) -> tuple[tuple[int, ...], ...]:
+        """Block indices per stage, balanced by parameters exactly as the pipeline strategy's ``make_partition``."""
+        blocks = self.workload.blocks
+        names = [str(i) for i in range(len(blocks))]
+        costs = [float(max(b.params, 1)) for b in blocks]
+        return tuple(tuple(int(n) for n in stage) for stage in split_by_cost(names, costs, num_stages))
+
+    def stage_to_rank(self, layout: Layout) -> list[int]:
+        if layout.pp == 1:
+            return [0]
+        return resolve_schedule(
+            layout.schedule or "",
+            pp=layout.pp,
+            microbatches=layout.microbatches,
+            stages_per_rank=layout.stages_per_rank,
+        ).stage_to_rank(layout.pp)
+
+    def _ranks_uncached(self, pp: int, stages: tuple[int, ...], tp: int) -> tuple[_Rank, ...]:
+        split = self._split(len(stages))
+        return tuple(self._rank(split, [s for s, r in enumerate(stages) if r == rank], tp) for rank in range(pp))
+
+    def _rank(self, split: tuple[tuple[int, ...], ...], stages: list[int], tp: int) -> _Rank:
+        hw, net = self.hardware, self.hardware.network
+        fixed = per_sample = comm_fixed = comm_per_sample = activations = params = largest = 0.0
+        count = 0
+        for index in (i for s in stages for i in split[s]):
+            block = self.workload.blocks[index]
+            local = block.params - block.tp_params + block.tp_params / tp
+            params += local
+            largest = max(largest, local)
+            count += 1
+            shard = 1.0 - (block.tp_flops / block.flops if block.flops else 0.0) * (1.0 - 1.0 / tp)
+            if block.seconds is not None:
+                fixed += block.seconds[0] * hw.compute_scale
+                per_sample += block.seconds[1] * shard * hw.compute_scale
+            else:
+                fixed += hw.block_overhead * hw.compute_scale
+                per_sample += block.flops * shard / self.rate * hw.compute_scale
+            activations += (block.activations - block.tp_activations + block.tp_activations / tp) * self.act_bytes
+            for kind, elements in block.collectives if tp > 1 else ():
+                fixed_s, per_byte = net.collective_terms(kind, tp, 1)
+                comm_fixed += fixed_s + hw.collective_overhead * hw.compute_scale
+                comm_per_sample += per_byte * elements * self.act_bytes
+        return _Rank(params, largest, fixed, per_sample, comm_fixed, comm_per_sample, activations, count)
+
+    # ---- one layout ------------------------------------------------------------------------------
+    def estimate(self, layout: Layout, *, batch: int) -> Estimate:
+        """Memory and step time of ``layout`` with ``batch`` samples per replica per step.
+
+        Raises:
+            ValueError: The layout cannot run this workload (sizes, tensor-parallel divisibility, micro-batches).
+        """
+        self.check(layout, batch=batch)
+        stages = tuple(self.stage_to_rank(layout))
+        ranks = self._ranks(layout.pp, stages, layout.tp)
+        micro = batch // layout.microbatches
+        if layout.pp > 1:
+            cost = schedule_cost(
+                layout.schedule or "",
+                pp=layout.pp,
+                microbatches=layout.microbatches,
+                stages_per_rank=layout.stages_per_rank,
+            )
+            bubble, in_flight, actions, exact = cost.bubble, cost.in_flight, cost.actions, cost.exact
+        else:
+            bubble, in_flight, actions, exact = 0.0, (1,), 0, True
+        time = self._time(layout, ranks, stages, micro, bubble, actions)
+        memory = self._memory(layout, ranks, micro, in_flight)
+        shard = layout.dp if layout.dp_shard else 1
+        return Estimate(
+            layout=layout,
+            batch=batch,
+            memory=memory,
+            capacity=self.hardware.memory_bytes * self.hardware.usable_memory,
+            time=time,
+            bubble_fraction=bubble,
+            parameters_per_rank=tuple(round(r.params / shard) for r in ranks),
+            exact_schedule=exact,
+        )
+
+    def check(self, layout: Layout, *, batch: int) -> None:
+        """Raise ValueError (one line) when the layout cannot run this workload."""
+        blocks = len(self.workload.blocks)
+        if self.workload.tp_modulus % layout.tp:
+            raise ValueError(
+                f"tp={layout.tp} does not divide the sharded sizes of {self.workload.name} (their gcd is "
+                f"{self.workload.tp_modulus}). HINT: use a tp that divides {self.workload.tp_modulus}"
+            )
+        if layout.pp * layout.stages_per_rank > blocks:
+            raise ValueError(
+                f"pp={layout.pp} x stages_per_rank={layout.stages_per_rank} stages exceed the {blocks} blocks of "
+                f"{self.workload.name}. HINT: use at most {blocks} stages"
+            )
+        if batch < 1 or batch % layout.microbatches:
+            raise ValueError(
+                f"{layout.microbatches} micro-batches do not divide {batch} samples per replica. "
+                "HINT: use a micro-batch count that divides the batch"
+            )
+
+    def _time(
+        self, layout: Layout, ranks: Sequence[_Rank], stages: Sequence[int], micro: int, bubble: float, actions: int
+    ) -> dict[str, float]:
+        hw, net = self.hardware, self.hardware.network
+        m = layout.microbatches
+        crosses = layout.pp * layout.tp > net.devices_per_node
+        work = []
+        for rank, figures in enumerate(ranks):
+            compute = figures.fixed + figures.per_sample * micro
+            tp_comm = figures.comm_fixed + figures.comm_per_sample * micro
+            owned = [s for s, r in enumerate(stages) if r == rank]
+            p2p = sum(self._messages(s, len(stages), layout, micro, crosses) for s in owned)
+            overhead = hw.action_overhead * hw.compute_scale * actions * len(owned)
+            work.append((compute + overhead, tp_comm, p2p))
+        slowest = max(work, key=sum)
+        busy = m * sum(slowest)
+        pipeline = busy / (1.0 - bubble) if bubble < 1 else busy
+        backward = m * slowest[0] * 2 / 3
+        dp_comm = max(0.0, self._dp_comm(layout, ranks) - hw.dp_overlap * backward)
+        shard = layout.dp if layout.dp_shard else 1
+        optimizer = max(r.params for r in ranks) / shard * hw.optimizer_time * hw.compute_scale
+        return {
+            "compute": m * slowest[0],
+            "tp_comm": m * slowest[1],
+            "pp_comm": m * slowest[2],
+            "bubble": pipeline - busy,
+            "dp_comm": dp_comm,
+            "optimizer": optimizer,
+            "overhead": (hw.step_overhead + (hw.sync_overhead if layout.devices > 1 else 0.0)) * hw.compute_scale,
+        }
+
+    def _messages(self, stage: int, num_stages: int, layout: Layout, micro: int, crosses: bool) -> float:
+        """Receive the activation from the stage before, and the gradient from the stage after."""
+        split = self._split(num_stages)
+        seconds = 0.0
+        if stage > 0:
+            before = self.workload.blocks[split[stage - 1][-1]].output
+            seconds += self.hardware.network.send(before * micro * self.act_bytes, crosses_nodes=crosses)
+        if stage < num_stages - 1:
+            after = self.workload.blocks[split[stage][-1]].output
+            seconds += self.hardware.network.send(after * micro * self.act_bytes, crosses_nodes=crosses)
+        return seconds
+
+    def _dp_comm(self, layout: Layout, ranks: Sequence[_Rank]) -> float:
+        if layout.dp == 1:
+            return 0.0
+        net = self.hardware.network
+        stride = layout.pp * layout.tp
+        worst = max(ranks, key=lambda r: r.params)
+        if not layout.dp_shard:
+            return net.collective("all_reduce", worst.params * self.grad_bytes, layout.dp, stride)
+        # FSDP: per block, gather the parameters for forward and again for backward, reduce-scatter the gradients
+        fixed, per_byte = net.collective_terms("all_gather", layout.dp, stride)
+        fixed += self.hardware.collective_overhead * self.hardware.compute_scale
+        traffic = worst.params * (2 * self.param_bytes + self.grad_bytes) * per_byte
+        return 3 * worst.blocks * fixed + traffic
+
+    def _memory(self, layout: Layout, ranks: Sequence[_Rank], micro: int, in_flight: Sequence[int]) -> dict[str, float]:
+        shard = layout.dp if layout.dp_shard else 1
+        v = layout.stages_per_rank
+        worst: dict[str, float] = {"total": -1.0}
+        for rank, figures in enumerate(ranks):
+            params = figures.params / shard
+            gathered = figures.largest_block * (1 - 1 / shard) * 2 if shard > 1 else 0.0  # this block and the next
+            held = in_flight[min(rank, len(in_flight) - 1)] / v if layout.pp > 1 else 1.0
+            memory = {
+                "params": params * self.param_bytes + gathered * self.param_bytes,
+                "grads": params * self.grad_bytes,
+                "optimizer": params * self.optimizer_states * self.state_bytes,
+                "activations": figures.activations * micro * held,
+            }
+            memory["total"] = sum(memory.values())
+            if memory["total"] > worst["total"]:
+                worst = memory
+        return worst

@@ -1,0 +1,109 @@
+"""What a pipeline schedule costs a layout, known without launching: the idle (bubble) fraction under unit costs and
+the peak number of micro-batches whose activations each rank holds.
+
+Exact (by simulating torch's own action order, as ``pipeline.schedule_plan``) for small pipelines; for large ones
+extrapolated from a small pipeline with the same micro-batches-per-rank ratio, since building torch's orders for
+64 ranks takes seconds. It prices no stage and knows no model.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from lightning_parallel.pipeline.schedule_plan import SCHEDULES, rank_actions, resolve_schedule, simulate
+
+# Up to these sizes the torch order is built and simulated (milliseconds); larger ones are extrapolated.
+EXACT_MAX_RANKS = 8
+EXACT_MAX_MICROBATCHES_PER_RANK = 4
+# Schedules whose peak in-flight count grows with the micro-batch count (all forwards before any backward).
+_ALL_FORWARDS_FIRST = {"gpipe", "looped_bfs"}
+
+
+@dataclass(frozen=True)
+class ScheduleCost:
+    """Bubble and memory figures of one (schedule, pp, micro-batches, stages per rank).
+
+    Args:
+        bubble: Idle fraction of a step under unit costs (forward 1, backward 2): ``pipeline.analytic_bubble``.
+        in_flight: Per pipeline rank, the peak number of (stage, micro-batch) pairs holding activations.
+        actions: Actions per (stage, micro-batch): 2 (forward, backward) or 3 (forward, input grad, weight grad).
+        exact: Whether the figures come from simulating this very size (else extrapolated).
+    """
+
+    bubble: float
+    in_flight: tuple[int, ...]
+    actions: int
+    exact: bool
+
+
+def valid_microbatches(name: str, pp: int, microbatches: int, stages_per_rank: int | None = None) -> bool:
+    """Whether torch accepts this schedule with these sizes (``resolve_schedule`` does not raise)."""
+    try:
+        resolve_schedule(name, pp=pp, microbatches=microbatches, stages_per_rank=stages_per_rank)
+    except ValueError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=8192)
+def schedule_cost(name: str, *, pp: int, microbatches: int, stages_per_rank: int | None = None) -> ScheduleCost:
+    """Bubble fraction and peak in-flight micro-batches; exact for small pipelines, extrapolated for large ones.
+
+    Raises:
+        ValueError: torch would reject the schedule with these sizes (one line, from ``resolve_schedule``).
+    """
+    spec = resolve_schedule(name, pp=pp, microbatches=microbatches, stages_per_rank=stages_per_rank)
+    v = spec.stages_per_rank
+    if pp <= EXACT_MAX_RANKS and microbatches <= EXACT_MAX_MICROBATCHES_PER_RANK * pp:
+        return _simulated(name, pp, microbatches, v)
+    # A smaller pipeline with the same micro-batches per rank (capped: past a few per rank nothing changes but the
+    # busy time, and the warm-up/cool-down idle stays constant).
+    small_pp = min(pp, EXACT_MAX_RANKS)
+    target = max(1, min(round(microbatches * small_pp / pp), EXACT_MAX_MICROBATCHES_PER_RANK * small_pp))
+    small_m = next(
+        (
+            m
+            for m in [*range(target, 0, -1), *range(target + 1, 8 * small_pp + 1)]
+            if valid_microbatches(name, small_pp, m, v)
+        ),
+        None,
+    )
+    if small_m is None:  # pragma: no cover - every schedule accepts some count at pp <= 8
+        raise ValueError(f"schedule={name}: no reference size for pp={pp}. HINT: use pp <= {EXACT_MAX_RANKS}")
+    small = _simulated(name, small_pp, small_m, v)
+    busy_small = 3.0 * small_m * v  # per rank, in forward units (F=1, B=2 or F=I=W=1)
+    idle_small = small.bubble * busy_small / (1.0 - small.bubble) if small.bubble < 1 else 0.0
+    idle = idle_small * (pp - 1) / (small_pp - 1) if small_pp > 1 else 0.0  # warm-up + cool-down grow with pp
+    busy = 3.0 * microbatches * v
+    if name in _ALL_FORWARDS_FIRST:
+        peak = microbatches * v
+    else:
+        peak = min(microbatches * v, round(max(small.in_flight) * pp / small_pp))
+    return ScheduleCost(bubble=idle / (idle + busy), in_flight=(peak,) * pp, actions=small.actions, exact=False)
+
+
+def _simulated(name: str, pp: int, microbatches: int, v: int) -> ScheduleCost:
+    spec = resolve_schedule(name, pp=pp, microbatches=microbatches, stages_per_rank=v)
+    actions = rank_actions(spec, pp=pp, microbatches=microbatches)
+    timeline = simulate(actions, pp=pp, num_stages=pp * v, stage_to_rank=spec.stage_to_rank(pp))
+    peaks = []
+    for order in actions.values():
+        held: set[tuple[int, int]] = set()
+        peak = 0
+        for action in order:
+            key = (action.stage, action.microbatch)
+            if action.kind == "F":
+                held.add(key)
+                peak = max(peak, len(held))
+            elif action.kind in ("B", "W"):  # a split backward keeps the weight-gradient inputs until W
+                held.discard(key)
+        peaks.append(peak)
+    return ScheduleCost(
+        bubble=timeline.bubble_fraction, in_flight=tuple(peaks), actions=3 if spec.splits_backward else 2, exact=True
+    )
+
+
+def schedule_names() -> list[str]:
+    """Every schedule the pipeline strategy runs, in ``pipeline.schedule_plan.SCHEDULES`` order."""
+    return list(SCHEDULES)

@@ -1,0 +1,149 @@
+"""What the planner knows about a model, block by block: parameters, FLOPs, saved activations, the pipeline message
+and the tensor-parallel traffic, each split into the part tensor parallelism shards and the part it leaves whole;
+and that description for the GPT in closed form, so 100B-parameter models cost no memory at all.
+
+Data and formulas only: ``analysis.py`` fills it from a meta-device model, ``measure.py`` adds timings.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True, kw_only=True)
+class Block:
+    """One block of the model; every per-sample figure scales linearly with the micro-batch size.
+
+    Args:
+        name: The block's name in the ``nn.Sequential``.
+        params: Parameters of the block.
+        tp_params: Of which split across tensor-parallel ranks (the rest is replicated).
+        flops: Forward + backward FLOPs per sample.
+        tp_flops: Of which split across tensor-parallel ranks.
+        activations: Elements saved for backward per sample.
+        tp_activations: Of which split across tensor-parallel ranks.
+        output: Elements of the block's output per sample: what a pipeline boundary after it sends.
+        collectives: Tensor-parallel collectives per forward + backward: ``(kind, elements per sample)``.
+        seconds: Measured forward + backward time ``(fixed, per sample)`` on one device; None = from FLOPs.
+    """
+
+    name: str
+    params: int
+    tp_params: int = 0
+    flops: float = 0.0
+    tp_flops: float = 0.0
+    activations: float = 0.0
+    tp_activations: float = 0.0
+    output: float = 0.0
+    collectives: tuple[tuple[str, float], ...] = ()
+    seconds: tuple[float, float] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """A model as the planner sees it.
+
+    Args:
+        name: Shown in the plan's header.
+        blocks: The blocks in model order (pipeline stages are contiguous runs of them).
+        tp_modulus: Every tensor-parallel size must divide it (1: the model has no tensor-parallel plan).
+    """
+
+    name: str
+    blocks: tuple[Block, ...]
+    tp_modulus: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.blocks:
+            raise ValueError(f"workload {self.name} has no blocks. HINT: describe the model as named blocks")
+
+    @property
+    def params(self) -> int:
+        """Parameters of the whole model."""
+        return sum(block.params for block in self.blocks)
+
+    @property
+    def measured(self) -> bool:
+        """Whether every block carries measured seconds."""
+        return all(block.seconds is not None for block in self.blocks)
+
+    def with_seconds(self, seconds: Sequence[tuple[float, float]]) -> Workload:
+        """The same workload with measured (fixed, per-sample) forward + backward seconds per block."""
+        if len(seconds) != len(self.blocks):
+            raise ValueError(
+                f"got {len(seconds)} block timings for {len(self.blocks)} blocks of {self.name}. "
+                "HINT: give one (fixed, per-sample) pair per block, in model order"
+            )
+        bad = [
+            (b.name, s)
+            for b, s in zip(self.blocks, seconds, strict=True)
+            if min(s) < 0 or not all(map(math.isfinite, s))
+        ]
+        if bad:
+            raise ValueError(f"block timings must be finite and >= 0, got {bad}. HINT: re-measure these blocks")
+        blocks = tuple(
+            replace(b, seconds=(float(s[0]), float(s[1]))) for b, s in zip(self.blocks, seconds, strict=True)
+        )
+        return replace(self, blocks=blocks)
+
+
+def gpt_workload(
+    *, depth: int, width: int, heads: int, vocab_size: int, seq_len: int, mlp_ratio: int = 4, name: str | None = None
+) -> Workload:
+    """Closed-form workload of ``lightning_parallel.models.GPT`` (untied head, biases, learned positions).
+
+    One sample is one sequence of ``seq_len`` tokens. Activations assume a fused attention kernel (no T x T matrix
+    kept) and count what eager PyTorch saves: norm inputs and outputs, q/k/v, the attention output and the MLP's
+    hidden layer twice. Exact for parameters; FLOPs count matrix products only, attention at full T x T.
+    """
+    sizes = {"depth": depth, "width": width, "heads": heads, "vocab_size": vocab_size, "seq_len": seq_len}
+    bad = {key: value for key, value in {**sizes, "mlp_ratio": mlp_ratio}.items() if value < 1}
+    if bad or width % heads:
+        raise ValueError(
+            f"GPT needs sizes >= 1 and width divisible by heads, got {bad or sizes}. HINT: e.g. width=128 heads=4"
+        )
+    w, t, v, r = width, seq_len, vocab_size, mlp_ratio
+    hidden = (4 + 2 * r) * w * w  # q, k, v, proj, up, down weights
+    block = Block(
+        name="block",
+        params=hidden + (9 + r) * w,  # + biases (4w + rw + w) and two LayerNorms (4w)
+        tp_params=hidden + (3 + r) * w,  # proj and down biases and the norms stay whole
+        flops=3.0 * (2 * t * hidden + 4 * t * t * w),  # backward = 2x forward
+        tp_flops=3.0 * (2 * t * hidden + 4 * t * t * w),
+        activations=(9 + 2 * r) * t * w + 4 * t + heads * t,  # + norm statistics and the attention log-sum-exp
+        tp_activations=(5 + 2 * r) * t * w + heads * t,
+        output=t * w,
+        collectives=(("all_reduce", t * w),) * 6,  # forward: proj, down; backward: q, k, v, up inputs
+    )
+    embed = Block(
+        name="embed",
+        params=(v + t) * w,
+        tp_params=v * w,
+        output=t * w,
+        collectives=(("all_reduce", t * w),),
+    )
+    head = Block(
+        name="head",
+        params=2 * w + v * w,
+        tp_params=v * w,
+        flops=3.0 * 2 * t * w * v,
+        tp_flops=3.0 * 2 * t * w * v,
+        activations=2 * t * w + 2 * t + t * v,  # norm input and output, and the loss's log-softmax of the logits
+        output=t * v,
+        collectives=(("all_gather", t * v), ("all_reduce", t * w)),
+    )
+    blocks = (embed, *(replace(block, name=f"block_{i}") for i in range(depth)), head)
+    modulus = math.gcd(heads, w, r * w, v)
+    total = embed.params + depth * block.params + head.params
+    label = name or f"GPT depth {depth} width {width} ({human_count(total)} parameters)"
+    return Workload(name=label, blocks=blocks, tp_modulus=modulus)
+
+
+def human_count(count: float) -> str:
+    """``102B``, ``60.2M``: a count with three significant digits."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= size:
+            return f"{count / size:.3g}{unit}"
+    return f"{count:.0f}"

@@ -1,0 +1,310 @@
+"""Layout planner: memory figures against real parameter placement, planning at scale, fit marking, bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import CONF, ROOT
+from hydra import compose, initialize_config_dir
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from lightning_parallel.models import GPT, ResNet, SimpleCNN
+from lightning_parallel.pipeline.partition import make_partition
+from lightning_parallel.pipeline.schedule_plan import analytic_bubble
+from lightning_parallel.plan import AutoStrategy, make_plan, report, strategy_choice, train_overrides
+from lightning_parallel.planner import (
+    CostModel,
+    Hardware,
+    Layout,
+    gpt_workload,
+    measure_block_seconds,
+    parse_bytes,
+    plan,
+    schedule_cost,
+    workload_from_module,
+)
+from lightning_parallel.planner.schedule_costs import _simulated
+from lightning_parallel.tensor.plans import apply_plan, check_plan, expand_plan
+
+H100 = Hardware(name="H100", memory="80GB", flops=989e12, dp_overlap=0.5)
+
+
+def small_gpt() -> GPT:
+    with torch.device("meta"):
+        return GPT(vocab_size=64, context_length=32, depth=4, width=64, heads=4)
+
+
+def meta_models() -> dict[str, tuple[nn.Sequential, torch.Tensor]]:
+    with torch.device("meta"):
+        resnet = ResNet(depth=50, in_channels=3, num_classes=16)
+        cnn = SimpleCNN(in_channels=1, image_size=8, num_classes=12)
+    return {
+        "gpt": (small_gpt(), torch.zeros(2, 32, dtype=torch.long)),
+        "resnet50": (resnet, torch.zeros(2, 3, 32, 32)),
+        "simple_cnn": (cnn, torch.zeros(2, 1, 8, 8)),
+    }
+
+
+@contextmanager
+def fake_world(size: int) -> Iterator[None]:
+    """A process group of `size` ranks inside this process (torch's fake backend): DTensor shards without peers."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def local_numel(module: nn.Module) -> int:
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.parameters())
+
+
+# ---- memory figures against real placement -----------------------------------------------------------------------
+PIPELINES = [Layout(dp=1, pp=2, schedule="1f1b", microbatches=2), Layout(dp=1, pp=3, schedule="gpipe", microbatches=3),
+             Layout(dp=2, pp=2, schedule="interleaved_1f1b", microbatches=2, stages_per_rank=2),
+             Layout(dp=1, pp=2, schedule="zbv", microbatches=2, stages_per_rank=2)]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet50", "simple_cnn"])
+@pytest.mark.parametrize("layout", PIPELINES, ids=lambda layout: f"pp{layout.pp}-{layout.schedule}")
+def test_pipeline_parameter_bytes_equal_make_partition(name: str, layout: Layout) -> None:
+    """Per pipeline rank, the planner's parameter bytes are exactly those of the strategy's own partition."""
+    model, sample = meta_models()[name]
+    workload = workload_from_module(model, sample)
+    estimate = CostModel(workload, H100).estimate(layout, batch=12)
+    spec_style = "v" if layout.schedule == "zbv" else "loop"
+    partition = make_partition(model, pp=layout.pp, stages_per_rank=layout.stages_per_rank, style=spec_style)
+    blocks = dict(model.named_children())
+    real = [
+        sum(p.numel() for b in partition.blocks_of(rank) for p in blocks[b].parameters()) for rank in range(layout.pp)
+    ]
+    assert list(estimate.parameters_per_rank) == real
+    # fp32 weights + fp32 grads + two fp32 Adam states = 16 bytes per parameter on the fullest device
+    states = estimate.memory["params"] + estimate.memory["grads"] + estimate.memory["optimizer"]
+    assert states in {16 * count for count in real}
+
+
+@pytest.mark.parametrize(
+    ("name", "tp"), [("gpt", 2), ("gpt", 4), ("resnet50", 4), ("simple_cnn", 2), ("simple_cnn", 3)]
+)
+def test_tensor_parallel_parameter_bytes_equal_dtensor_shards(name: str, tp: int) -> None:
+    """The planner's per-device parameters under tp (alone and with pp=2) equal the local DTensor shards."""
+    model, sample = meta_models()[name]
+    workload = workload_from_module(model, sample)
+    plan_styles = expand_plan(model, model.tp_plan)
+    check_plan(model, plan_styles, tensor_parallel_size=tp, sequence_parallel=False)
+    assert workload.tp_modulus % tp == 0
+    with fake_world(tp):
+        mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+        apply_plan(model, plan_styles, mesh, sequence_parallel=False)
+    model_cost = CostModel(workload, H100)
+    assert model_cost.estimate(Layout(dp=1, tp=tp), batch=4).parameters_per_rank == (local_numel(model),)
+    split = model_cost.estimate(Layout(dp=1, pp=2, tp=tp, schedule="1f1b", microbatches=2), batch=4)
+    partition = make_partition(meta_models()[name][0], pp=2)
+    stages = [[dict(model.named_children())[b] for b in partition.blocks_of(r)] for r in range(2)]
+    assert split.parameters_per_rank == tuple(sum(local_numel(b) for b in stage) for stage in stages)
+
+
+def test_tp_modulus_agrees_with_check_plan() -> None:
+    for model, sample in meta_models().values():
+        workload = workload_from_module(model, sample)
+        styles = expand_plan(model, model.tp_plan)
+        for tp in range(1, 17):
+            try:
+                check_plan(model, styles, tensor_parallel_size=tp, sequence_parallel=False)
+                passes = True
+            except ValueError:
+                passes = False
+            assert passes == (workload.tp_modulus % tp == 0), (type(model).__name__, tp)
+
+
+def test_gpt_closed_form_matches_meta_analysis() -> None:
+    """The formula GPT (used at 100B scale) equals the meta-device analysis block by block where both are exact."""
+    measured = workload_from_module(small_gpt(), torch.zeros(2, 32, dtype=torch.long))
+    formula = gpt_workload(depth=4, width=64, heads=4, vocab_size=64, seq_len=32)
+    assert formula.tp_modulus == measured.tp_modulus
+    for got, want in zip(measured.blocks, formula.blocks, strict=True):
+        assert (got.name, got.params, got.tp_params, got.flops, got.tp_flops, got.output) == (
+            want.name, want.params, want.tp_params, want.flops, want.tp_flops, want.output
+        )  # fmt: skip
+        assert [kind for kind, _ in got.collectives] == [kind for kind, _ in want.collectives]
+        assert got.activations == pytest.approx(want.activations, rel=0.35, abs=64)
+
+
+def test_data_parallel_sharding_divides_states_and_activations_follow_the_schedule() -> None:
+    workload = gpt_workload(depth=8, width=256, heads=8, vocab_size=512, seq_len=128)
+    model = CostModel(workload, H100, precision="bf16-mixed")
+    ddp = model.estimate(Layout(dp=4), batch=8)
+    fsdp = model.estimate(Layout(dp=4, dp_shard=True), batch=8)
+    assert fsdp.memory["optimizer"] == pytest.approx(ddp.memory["optimizer"] / 4)
+    assert fsdp.memory["activations"] == ddp.memory["activations"]
+    gpipe = model.estimate(Layout(dp=1, pp=4, schedule="gpipe", microbatches=8), batch=8)
+    one_f_one_b = model.estimate(Layout(dp=1, pp=4, schedule="1f1b", microbatches=8), batch=8)
+    assert gpipe.memory["activations"] > 1.5 * one_f_one_b.memory["activations"]  # 8 micro-batches held, not 4
+    assert gpipe.bubble_fraction == one_f_one_b.bubble_fraction == analytic_bubble("1f1b", pp=4, microbatches=8)
+
+
+# ---- schedules ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev", "interleaved_zero_bubble"])
+def test_schedule_costs_are_analytic_bubble_and_extrapolate_closely(name: str) -> None:
+    v = 1 if name in ("gpipe", "1f1b") else 2
+    assert schedule_cost(name, pp=4, microbatches=8, stages_per_rank=v).bubble == analytic_bubble(
+        name, pp=4, microbatches=8, stages_per_rank=v
+    )
+    exact = _simulated(name, 16, 64, v)
+    approx = schedule_cost(name, pp=16, microbatches=64, stages_per_rank=v)
+    assert not approx.exact and approx.bubble == pytest.approx(exact.bubble, abs=0.01)
+    assert max(approx.in_flight) == pytest.approx(max(exact.in_flight), rel=0.1)
+
+
+# ---- planning ----------------------------------------------------------------------------------------------------
+def test_100b_gpt_on_4096_devices_plans_in_seconds() -> None:
+    started = time.perf_counter()
+    workload = gpt_workload(depth=80, width=10240, heads=80, vocab_size=51200, seq_len=2048)
+    result = plan(workload, devices=4096, hardware=H100, global_batch=1536, precision="bf16-mixed")
+    elapsed = time.perf_counter() - started
+    assert 100e9 < workload.params < 103e9
+    assert elapsed < 10, f"planning took {elapsed:.1f} s"
+    best = result.best
+    assert best is not None and best.fits and best.layout.devices == 4096
+    assert best.layout.pp > 1 and best.layout.tp > 1  # 1.6 TB of weights and Adam state need model parallelism
+    unfit = [e for e in result.estimates if not e.fits]
+    assert unfit and all(e.memory["total"] > e.capacity for e in unfit)
+    assert result.estimates.index(unfit[0]) > result.estimates.index(best)
+    assert "NO" in result.table(len(result.estimates)) and result.explain().startswith(f"dp{best.layout.dp} x")
+
+
+def test_layouts_that_do_not_fit_are_marked_and_explained() -> None:
+    model, sample = meta_models()["resnet50"]
+    workload = workload_from_module(model, sample)
+    tight = Hardware(name="small", memory="300MB", flops=1e13)
+    result = plan(workload, devices=4, hardware=tight, replica_batch=8)
+    ddp = next(e for e in result.estimates if e.layout == Layout(dp=4))
+    assert not ddp.fits and ddp.memory["total"] > 16 * workload.params  # weights, grads, Adam: 16 B/param alone
+    assert result.best is not None and result.best.layout != Layout(dp=4)
+    assert "plain data parallelism would need" in result.explain() and "does not fit" in result.explain()
+    nothing = plan(workload, devices=4, hardware=Hardware(memory="10MB", flops=1e13), replica_batch=8)
+    assert nothing.best is None and nothing.explain().startswith("No layout fits")
+
+
+def test_measured_block_costs_drive_the_estimate() -> None:
+    torch.manual_seed(0)
+    model = SimpleCNN(in_channels=1, image_size=8, num_classes=10)
+    seconds = measure_block_seconds(model, lambda n: torch.randn(n, 1, 8, 8), sizes=(2, 4), repeats=2, warmup=1)
+    assert len(seconds) == 5 and all(fixed >= 0 and per >= 0 for fixed, per in seconds)
+    workload = workload_from_module(model, torch.zeros(2, 1, 8, 8)).with_seconds([(1e-3, 1e-4)] * 5)
+    estimate = CostModel(workload, Hardware(memory="1GB", flops=1e12)).estimate(Layout(dp=1), batch=10)
+    assert estimate.time["compute"] == pytest.approx(5 * (1e-3 + 10 * 1e-4))
+
+
+BAD = {
+    "zero devices": (
+        lambda: plan(
+            gpt_workload(depth=2, width=8, heads=2, vocab_size=8, seq_len=4), devices=0, hardware=H100, global_batch=8
+        ),
+        "devices=0",
+    ),  # fmt: skip
+    "both batches": (
+        lambda: plan(
+            gpt_workload(depth=2, width=8, heads=2, vocab_size=8, seq_len=4),
+            devices=2,
+            hardware=H100,
+            global_batch=8,
+            replica_batch=4,
+        ),
+        "exactly one",
+    ),  # fmt: skip
+    "unknown schedule": (
+        lambda: plan(
+            gpt_workload(depth=2, width=8, heads=2, vocab_size=8, seq_len=4),
+            devices=2,
+            hardware=H100,
+            global_batch=8,
+            schedules=["zigzag"],
+        ),
+        "zigzag",
+    ),  # fmt: skip
+    "memory": (lambda: parse_bytes("eighty gigs"), "not a size"),
+    "efficiency": (lambda: Hardware(efficiency=0), "efficiency"),
+    "tp does not divide": (
+        lambda: CostModel(gpt_workload(depth=2, width=12, heads=3, vocab_size=9, seq_len=4), H100).estimate(
+            Layout(dp=1, tp=2), batch=2
+        ),
+        "tp=2 does not divide",
+    ),  # fmt: skip
+    "no layout": (
+        lambda: plan(
+            gpt_workload(depth=2, width=8, heads=2, vocab_size=8, seq_len=4), devices=16, hardware=H100, global_batch=7
+        ),
+        "global_batch=7",
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_is_one_line_with_a_hint(case: str) -> None:
+    call, fragment = BAD[case]
+    with pytest.raises(ValueError) as error:
+        call()
+    message = str(error.value)
+    assert fragment in message and "HINT" in message and "\n" not in message
+
+
+# ---- the command and strategy=auto -------------------------------------------------------------------------------
+def compose_plan(*overrides: str):  # noqa: ANN201
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("plan", overrides=list(overrides))
+
+
+def test_plan_command_reports_a_ranked_table_and_a_train_command() -> None:
+    cfg = compose_plan("model=simple_cnn", "data=digits", "devices=4", "device_memory=1GB", "runnable_only=true")
+    result = make_plan(cfg)
+    text = report(result, 5)
+    assert "layouts, best 5 shown" in text and " wins at " in text and "python train.py strategy=" in text
+    assert all(strategy_choice(e.layout) is not None for e in result.estimates)
+
+
+def test_plan_command_bad_input_is_one_line_and_exit_2(tmp_path) -> None:  # noqa: ANN001
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_parallel.plan", "model=simple_cnn", "data=digits", "device_memory=lots"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": ""},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().count("\n") == 0 and "not a size" in done.stderr and done.stdout == ""
+
+
+def test_train_overrides_and_auto_strategy(compose_cfg) -> None:  # noqa: ANN001
+    assert train_overrides(Layout(dp=2, pp=2, schedule="1f1b", microbatches=4)) == [
+        "strategy=pipeline", "trainer.devices=4", "strategy.schedule=1f1b", "strategy.microbatches=4",
+        "strategy.data_parallel_size=2",
+    ]  # fmt: skip
+    assert train_overrides(Layout(dp=2, tp=2)) is None  # tensor parallelism with replicas always shards them
+    assert train_overrides(Layout(dp=1, pp=2, tp=2, schedule="1f1b", microbatches=2)) is None
+    assert train_overrides(Layout(dp=1, pp=2, schedule="zbv", microbatches=2, stages_per_rank=2)) is None
+    assert train_overrides(Layout(dp=2, dp_shard=True)) == ["strategy=fsdp", "trainer.devices=2"]
+    assert strategy_choice(Layout(dp=2, dp_shard=True), cuda=False) is None  # Lightning's FSDP needs GPUs
+    cfg = compose_cfg("strategy=auto", "trainer.devices=2", "trainer.accelerator=cpu")
+    from train import build_strategy
+
+    strategy = build_strategy(cfg)
+    assert type(strategy).__name__ in {
+        "DDPStrategy",
+        "FSDPStrategy",
+        "PipelineParallelStrategy",
+        "TensorParallelStrategy",
+    }
+    with pytest.raises(ValueError, match="trainer.devices as a count"):
+        AutoStrategy(model=cfg.model, data=cfg.data, devices=-1)
