@@ -19,6 +19,8 @@ PRECISIONS: dict[str, tuple[int, int, int, int]] = {
     "32": (4, 4, 4, 4),
     "bf16-mixed": (4, 4, 4, 2),  # Lightning's mixed precision keeps fp32 weights and autocasts activations
     "16-mixed": (4, 4, 4, 2),
+    "bf16": (4, 4, 4, 2),  # Lightning's short names for the mixed precisions
+    "16": (4, 4, 4, 2),
     "bf16-true": (2, 2, 2, 2),
     "16-true": (2, 2, 2, 2),
 }

@@ -221,6 +221,11 @@ def _why(result: Plan, best: Estimate) -> str:
             if batch is not None and batch % result.devices
             else "it is not among the layouts considered"
         )
+        widest = max(result.estimates, key=lambda e: e.layout.dp)  # the most data-parallel layout there is
+        if not widest.fits:
+            reason += (
+                f", and even {describe(widest.layout)} would need {human_bytes(widest.memory['total'])} per device"
+            )
         return f"plain data parallelism is out ({reason})"
     if not plain.fits:
         return f"plain data parallelism would need {human_bytes(plain.memory['total'])} per device and does not fit"
