@@ -266,8 +266,14 @@ class CostModel:
             "bubble": pipeline - busy,
             "dp_comm": dp_comm,
             "optimizer": optimizer,
-            "overhead": (hw.step_overhead + (hw.sync_overhead if layout.devices > 1 else 0.0)) * hw.compute_scale,
+            "overhead": self._overhead(layout),
         }
+
+    def _overhead(self, layout: Layout) -> float:
+        hw = self.hardware
+        sync = hw.sync_overhead if layout.devices > 1 else 0.0
+        wrapper = hw.dp_overhead if layout.dp > 1 and layout.pp == layout.tp == 1 else 0.0
+        return (hw.step_overhead + sync + wrapper) * hw.compute_scale
 
     def _messages(self, stage: int, num_stages: int, layout: Layout, micro: int, crosses: bool) -> float:
         """Receive the activation from the stage before, and the gradient from the stage after."""

@@ -16,14 +16,12 @@ _UNITS = {"": 1, "b": 1, "kb": 2**10, "kib": 2**10, "mb": 2**20, "mib": 2**20, "
 # name -> bytes per (parameter, gradient, optimizer-state element, activation element)
 PRECISIONS: dict[str, tuple[int, int, int, int]] = {
     "32-true": (4, 4, 4, 4),
-    "32": (4, 4, 4, 4),
     "bf16-mixed": (4, 4, 4, 2),  # Lightning's mixed precision keeps fp32 weights and autocasts activations
     "16-mixed": (4, 4, 4, 2),
-    "bf16": (4, 4, 4, 2),  # Lightning's short names for the mixed precisions
-    "16": (4, 4, 4, 2),
     "bf16-true": (2, 2, 2, 2),
     "16-true": (2, 2, 2, 2),
 }
+ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}  # Lightning's short names
 
 
 def parse_bytes(value: int | float | str) -> int:
@@ -120,8 +118,10 @@ class Hardware:
         collective_overhead: Seconds per tensor-parallel or sharded data-parallel (FSDP) collective beyond the
             network: DTensor dispatch, redistribution, copies. DDP's bucketed all-reduce has none.
         step_overhead: Seconds per optimizer step outside the blocks (training loop, loss, hooks).
-        sync_overhead: Seconds per step that layouts of several devices add beyond the modelled traffic (barriers,
-            buffer broadcasts, the logged loss's all-reduce, waiting for the slowest rank).
+        sync_overhead: Seconds per step that layouts of several devices add beyond the modelled traffic (the logged
+            loss's all-reduce, broadcasts, waiting for the slowest rank).
+        dp_overhead: Seconds per step of a data-parallel wrapper around the whole model (DDP / FSDP, when
+            pp = tp = 1) on top of that: its forward hooks, buffer broadcast and barrier.
         optimizer_time: Seconds per local parameter for one optimizer step.
         dp_overlap: Fraction of the backward pass that hides data-parallel communication (0: none hidden).
         compute_scale: Multiplies every compute time and host-side overhead; > 1 when devices share cores (CPU
@@ -139,6 +139,7 @@ class Hardware:
     collective_overhead: float = 0.0
     step_overhead: float = 0.0
     sync_overhead: float = 0.0
+    dp_overhead: float = 0.0
     optimizer_time: float = 0.0
     dp_overlap: float = 0.0
     compute_scale: float = 1.0
@@ -156,6 +157,7 @@ class Hardware:
             "collective_overhead",
             "step_overhead",
             "sync_overhead",
+            "dp_overhead",
             "optimizer_time",
         ):
             if not getattr(self, key) >= 0:
@@ -175,6 +177,7 @@ class Hardware:
         """Peak FLOP/s at a precision (the single figure when only one is given)."""
         if not isinstance(self.flops, Mapping):
             return float(self.flops)
+        precision = ALIASES.get(precision, precision)
         if precision not in self.flops:
             raise ValueError(
                 f"hardware {self.name} gives no FLOP/s for precision {precision!r}. "
@@ -185,6 +188,7 @@ class Hardware:
 
 def precision_bytes(precision: str) -> tuple[int, int, int, int]:
     """Bytes per (parameter, gradient, optimizer-state element, activation element) of a Lightning precision."""
-    if precision not in PRECISIONS:
+    name = ALIASES.get(precision, precision)
+    if name not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}. HINT: use one of {', '.join(PRECISIONS)}")
-    return PRECISIONS[precision]
+    return PRECISIONS[name]

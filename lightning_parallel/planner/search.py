@@ -167,6 +167,10 @@ def _seconds(value: float) -> str:
     return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
 
 
+def _rate(samples_per_second: float) -> str:
+    return f"{samples_per_second:,.0f}" if samples_per_second >= 100 else f"{samples_per_second:.3g}"
+
+
 def _shares(estimate: Estimate) -> str:
     step, t = estimate.step_time, estimate.time
     parts = [("compute", t["compute"]), ("pipeline bubble", t["bubble"]), ("communication", estimate.communication),
@@ -185,7 +189,7 @@ def explain(result: Plan) -> str:
             f"{human_bytes(leanest.memory['total'])}; use more devices, a smaller batch or a lower precision."
         )
     head = (
-        f"{describe(best.layout)} wins at {best.throughput:,.4g} samples/s ({_seconds(best.step_time)} per step, "
+        f"{describe(best.layout)} wins at {_rate(best.throughput)} samples/s ({_seconds(best.step_time)} per step, "
         f"{human_bytes(best.memory['total'])} of {capacity} usable per device)"
     )
     return f"{head}: {_why(result, best)}; its step is {_shares(best)}."
@@ -251,7 +255,7 @@ def table(estimates: Sequence[Estimate], *, note: Callable[[Layout], str] | None
             layout.schedule or "-",
             str(layout.microbatches) if layout.pp > 1 else "-",
             _seconds(e.step_time),
-            f"{e.throughput:,.0f}" if e.throughput >= 100 else f"{e.throughput:.3g}",
+            _rate(e.throughput),
             human_bytes(e.memory["total"]),
             "yes" if e.fits else "NO",
             ("" if e.exact_schedule else "~") + f"{e.bubble_fraction:.0%}" if layout.pp > 1 else "-",
