@@ -86,6 +86,32 @@ def test_every_model_trains_on_four_pipeline_stages(tmp_path: Path) -> None:
             assert max(summary["parameter_bytes_per_rank"]) <= 1.15 * summary["parameters"] * 4 / 4
 
 
+@pytest.mark.slow
+def test_split_backward_schedules_validate_from_train_py(tmp_path: Path) -> None:
+    """Zero-bubble schedules split the backward; evaluation must run a forward-only order (it used to fail with
+    torch's "can't steal_bwd_input" in the sanity check). Validation metrics must equal one process's."""
+    common = ["trainer.max_epochs=1", "trainer.limit_train_batches=4", "trainer.limit_val_batches=3", "callbacks=none"]
+    single = run_cli("strategy=single", *common, "hydra.run.dir=single", cwd=tmp_path)
+    assert single.returncode == 0, single.stderr[-3000:]
+    sweep = run_cli(
+        "-m",
+        "strategy=pipeline",
+        "trainer.devices=2",
+        "strategy.schedule=zbv,interleaved_zero_bubble",
+        *common,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    expected = json.loads((tmp_path / "single" / "summary.json").read_text())["metrics"]
+    summaries = [json.loads(p.read_text()) for p in sorted((tmp_path / "multirun").rglob("summary.json"))]
+    assert sorted(s["parallel"]["schedule"] for s in summaries) == ["interleaved_zero_bubble", "zbv"]
+    for summary in summaries:
+        for key in ("val/loss", "val/acc"):
+            got, want = summary["metrics"][key]["history"], expected[key]["history"]
+            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-5, (key, got, want)
+
+
 BAD = {
     "devices not divisible": (["trainer.devices=3", "strategy.data_parallel_size=2"], "world size 3"),
     "more stages than blocks": (["trainer.devices=8"], "cannot split 5 blocks into 8 stages"),

@@ -1,6 +1,6 @@
 """Parity: every pipeline schedule, at 2 and 4 stages, matches one process with the same seed and
-global batch (loss trajectory and final parameters within 1e-5, fp32); so does data 2 x pipeline 2
-with gradient clipping and accumulation on."""
+global batch (loss trajectory, final parameters and a validation pass after fit within 1e-5, fp32); so does
+data 2 x pipeline 2 with gradient clipping and accumulation on."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ import torch
 from distributed import WORKERS, run_workers
 
 sys.path.insert(0, str(WORKERS))
-from common import TINY_GPT, fit_tiny_gpt, local_state  # noqa: E402
+from common import TINY_GPT, fit_model, local_state  # noqa: E402
 
 from lightning_parallel.models import GPT  # noqa: E402
 
 STEPS = 20
+VAL_BATCHES = 2  # evaluation runs a forward-only schedule of its own
 SCHEDULES = {
     "gpipe": {},
     "1f1b": {},
@@ -28,9 +29,19 @@ SCHEDULES = {
 }
 
 
-def reference(global_batch: int, **trainer_kwargs) -> tuple[list[float], dict[str, torch.Tensor]]:
-    task, losses = fit_tiny_gpt("auto", devices=1, global_batch=global_batch, replicas=1, steps=STEPS, **trainer_kwargs)
-    return losses, local_state(task)
+def reference(global_batch: int, **trainer_kwargs) -> tuple[list[float], dict[str, torch.Tensor], dict[str, float]]:
+    task, losses, trainer = fit_model(
+        "auto",
+        model="gpt6",
+        devices=1,
+        global_batch=global_batch,
+        replicas=1,
+        steps=STEPS,
+        val_batches=VAL_BATCHES,
+        **trainer_kwargs,
+    )
+    metrics = trainer.validate(task, datamodule=trainer.datamodule, verbose=False)[0]
+    return losses, local_state(task), {k: float(v) for k, v in metrics.items()}
 
 
 def assert_trained(state: dict[str, torch.Tensor]) -> None:
@@ -40,10 +51,15 @@ def assert_trained(state: dict[str, torch.Tensor]) -> None:
     assert max((state[name] - p).abs().max().item() for name, p in initial.items()) > 1e-2
 
 
-def assert_matches(results: list[dict], ref_losses: list[float], ref_state: dict[str, torch.Tensor]) -> None:
+def assert_matches(
+    results: list[dict], ref_losses: list[float], ref_state: dict[str, torch.Tensor], ref_val: dict[str, float]
+) -> None:
     for result in results:
         assert len(result["losses"]) == STEPS
         assert max(abs(a - b) for a, b in zip(result["losses"], ref_losses, strict=True)) < 1e-5
+        assert result["val"].keys() == ref_val.keys() and "val/loss" in ref_val, result["val"]
+        for key, value in ref_val.items():
+            assert abs(result["val"][key] - value) < 1e-5 * max(1.0, abs(value)), (key, result["val"][key], value)
     merged = {name: value for result in results for name, value in result["state"].items()}
     assert merged.keys() == ref_state.keys()  # every parameter lives on some rank
     for name, value in ref_state.items():
@@ -59,17 +75,18 @@ def test_every_schedule_matches_single_process(tmp_path: Path, stages: int) -> N
             "devices": stages,
             "global_batch": batch,
             "steps": STEPS,
+            "val_batches": VAL_BATCHES,
             "strategy": {"schedule": name, "microbatches": 2 * stages},
         }
         for name in SCHEDULES
     ]
     per_rank = run_workers("pipeline_parity", stages, configs, tmp_path)
-    ref_losses, ref_state = reference(batch)
+    ref_losses, ref_state, ref_val = reference(batch)
     assert_trained(ref_state)
     for index, name in enumerate(SCHEDULES):
         results = [rank_results[index] for rank_results in per_rank]
         try:
-            assert_matches(results, ref_losses, ref_state)
+            assert_matches(results, ref_losses, ref_state, ref_val)
         except AssertionError as error:
             raise AssertionError(f"schedule={name}, {stages} stages: {error}") from error
 
@@ -87,7 +104,7 @@ def test_data_by_pipeline_with_clipping_and_accumulation(tmp_path: Path) -> None
         }
     ]
     per_rank = run_workers("pipeline_parity", 4, configs, tmp_path)
-    ref_losses, ref_state = reference(16, **trainer)
+    ref_losses, ref_state, _ = reference(16, **trainer)
     results = [rank_results[0] for rank_results in per_rank]
     # Each data-parallel replica holds the full parameter set across its two stages.
     for replica in (results[:2], results[2:]):

@@ -13,7 +13,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.pipelining.schedules import (
+    FORWARD,
+    OVERLAP_F_B,
+    RECV_F,
+    RESHARD,
+    SEND_F,
+    UNSHARD,
+    PipelineScheduleSingle,
+    _PipelineScheduleRuntime,
+)
 
 from lightning_parallel.pipeline.schedule_plan import resolve_schedule
 from lightning_parallel.pipeline.timing import StageTimer
@@ -73,6 +82,27 @@ def keep_buffers_through_metadata_inference(schedule: object, modules: Sequence[
                     buffer.copy_(value)
 
     schedule._initialize_pp_stages = guarded  # type: ignore[attr-defined]
+
+
+def drop_backward_actions(schedule: object) -> None:
+    """Make an action-list schedule forward-only, for evaluation.
+
+    torch's action-list schedules (looped BFS, interleaved, zero-bubble, DualPipeV) still walk their backward
+    actions when built without a loss, and the split-backward ones then fail ("can't steal_bwd_input if this
+    stage doesn't have backward"). Each rank keeps its forward computations, forward sends and receives in
+    their order (the forward halves of DualPipeV's overlapped pairs included): removing actions that wait can
+    not add a deadlock to an order that had none.
+    """
+    if not isinstance(schedule, _PipelineScheduleRuntime):
+        return  # single-stage schedules skip the backward themselves when there is no loss
+    keep = {FORWARD, SEND_F, RECV_F, UNSHARD, RESHARD}
+    order = schedule.pipeline_order_with_comms  # type: ignore[attr-defined]
+    for rank, actions in order.items():
+        flat = []
+        for action in actions:
+            parts = action.sub_actions if action.computation_type == OVERLAP_F_B else [action]
+            flat.extend(a for a in parts if a.computation_type in keep)
+        order[rank] = flat
 
 
 class PipelineRuntime:
@@ -150,6 +180,8 @@ class PipelineRuntime:
                 schedule = spec.torch_class(stages[0], n_microbatches=count, loss_fn=loss_fn)
             else:
                 schedule = spec.torch_class(stages, n_microbatches=count, loss_fn=loss_fn)
+            if not training:
+                drop_backward_actions(schedule)
             keep_buffers_through_metadata_inference(schedule, list(self.stage_modules.values()))
             self._schedules[key] = schedule
             self.microbatches_used[key] = (name, count)

@@ -22,42 +22,13 @@ from lightning_parallel.tasks import LanguageModelTask
 
 torch.set_num_threads(1)
 
+# Six blocks: enough for 4 pipeline ranks with 2 stages each (plus the embedding and head).
 TINY_GPT = {"vocab_size": 16, "context_length": 8, "depth": 6, "width": 16, "heads": 2}
 
 
 def payload() -> tuple[Any, Path]:
     out = Path(sys.argv[1])
     return json.loads((out / "payload.json").read_text()), out
-
-
-def fit_tiny_gpt(
-    strategy: Any, *, devices: int, global_batch: int, replicas: int, steps: int, seed: int = 0, **trainer_kwargs: Any
-) -> tuple[LanguageModelTask, list[float]]:
-    """Fit the tiny GPT on the copy task; returns the task and the per-step training loss."""
-    pl.seed_everything(seed, verbose=False)
-    data = SyntheticTokensDataModule(
-        vocab_size=16, seq_len=8, num_samples=global_batch * steps * 2, batch_size=global_batch // replicas, seed=seed
-    )
-    recorder = RunSummary()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[recorder],
-        **trainer_kwargs,
-    )
-    with trainer.init_module():
-        model = GPT(**TINY_GPT)
-    task = LanguageModelTask(model, optimizer=partial(torch.optim.SGD, lr=0.5, momentum=0.9))
-    trainer.fit(task, datamodule=data)
-    return task, recorder.history["train/loss"]
 
 
 def local_state(task: LanguageModelTask) -> dict[str, torch.Tensor]:
@@ -74,18 +45,22 @@ def fit_model(
     steps: int,
     seed: int = 0,
     task_class: type[pl.LightningModule] | None = None,
+    val_batches: int = 0,
     **trainer_kwargs: Any,
 ) -> tuple[pl.LightningModule, list[float], pl.Trainer]:
-    """Fit a tiny "gpt" (4 heads, so TP=4 works), "simple_cnn" or "resnet18" with SGD; returns task, losses, trainer.
+    """Fit a tiny "gpt" (4 heads, so TP=4 works), "gpt6" (TINY_GPT), "simple_cnn" or "resnet18" with SGD;
+    returns task, per-step training losses, trainer.
 
     `task_class` replaces the default task class (LanguageModelTask / ClassificationTask), e.g. by a subclass.
+    `val_batches` > 0 lets a later `trainer.validate(task, datamodule=trainer.datamodule)` run that many batches
+    (an epoch is 2 x steps batches, so fit itself ends before its first validation).
     """
     from lightning_parallel.data import SyntheticImagesDataModule
     from lightning_parallel.tasks import ClassificationTask
 
     pl.seed_everything(seed, verbose=False)
     samples = global_batch * steps * 2
-    if model == "gpt":
+    if model.startswith("gpt"):
         data: pl.LightningDataModule = SyntheticTokensDataModule(
             vocab_size=16, seq_len=8, num_samples=samples, batch_size=global_batch // replicas, seed=seed
         )
@@ -104,7 +79,7 @@ def fit_model(
         devices=devices,
         strategy=strategy,
         max_steps=steps,
-        limit_val_batches=0,
+        limit_val_batches=val_batches,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -115,7 +90,7 @@ def fit_model(
     )
     with trainer.init_module():
         network = tiny_network(model)
-    if model == "gpt":
+    if model.startswith("gpt"):
         task_class = task_class or LanguageModelTask
         task: pl.LightningModule = task_class(network, optimizer=partial(torch.optim.SGD, lr=0.5, momentum=0.9))
     else:
@@ -142,6 +117,8 @@ def tiny_network(model: str) -> torch.nn.Module:
 
     if model == "gpt":
         return GPT(vocab_size=16, context_length=8, depth=2, width=16, heads=4)
+    if model == "gpt6":
+        return GPT(**TINY_GPT)
     if model == "simple_cnn":
         return SimpleCNN(in_channels=3, image_size=32, num_classes=4)
     return ResNet(depth=18, in_channels=3, num_classes=4)
