@@ -1,7 +1,9 @@
 """When each local pipeline stage computes, measured with module hooks, so the idle time per rank
 (the measured bubble) can be put next to the schedule's analytic one, and drawn.
 
-Forward and full backward are timed. Schedules that split the backward (the zero-bubble ones and
+Forward and full backward are timed. A backward ends when the stage's input gradient is computed, or on the
+first stage (whose input needs no gradient, so torch fires the module's backward hook as soon as it starts)
+when its parameter gradients are. Schedules that split the backward (the zero-bubble ones and
 DualPipeV) get forward timing only: module backward hooks wrap the stage's inputs and outputs, which
 breaks torch's separate input-gradient pass, so their backward work counts as idle here.
 """
@@ -12,6 +14,7 @@ import time
 from collections import Counter
 from typing import Any
 
+import torch
 from torch import nn
 
 # (start_s, end_s, kind "F"/"B", stage, micro-batch); wall-clock seconds, so ranks share one clock
@@ -34,8 +37,19 @@ class StageTimer:
             module.register_forward_pre_hook(lambda *_, i=index: self._start("F", i))
             module.register_forward_hook(lambda *_, i=index: self._end("F", i))
             if backward:
-                module.register_full_backward_pre_hook(lambda *_, i=index: self._start("B", i))
-                module.register_full_backward_hook(lambda *_, i=index: self._end("B", i))
+                self._time_backward(index, module)
+
+    def _time_backward(self, index: int, module: nn.Module) -> None:
+        module.register_full_backward_pre_hook(lambda *_: self._start("B", index))
+
+        def input_gradient_done(_module: nn.Module, grad_input: tuple, _grad_output: tuple) -> None:
+            if any(g is not None for g in grad_input):
+                self._end("B", index)
+
+        module.register_full_backward_hook(input_gradient_done)
+        params = [p for p in module.parameters() if p.requires_grad]
+        if params:  # whichever of the two comes first closes the event
+            torch.autograd.graph.register_multi_grad_hook(params, lambda _: self._end("B", index))
 
     def _start(self, kind: str, stage: int) -> None:
         if self.active:
