@@ -12,7 +12,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -30,6 +29,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from measure import busy_cpu_seconds, machine, stats_ms
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
@@ -103,12 +103,6 @@ class BatchList(torch.utils.data.Dataset):
 
 
 # ---- timed runs (inside each rank) ---------------------------------------------------------------
-def busy_cpu_seconds() -> float:
-    """CPU seconds every process on the machine has spent busy since boot (Linux /proc/stat)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
-
-
 class Probe:
     """Timestamps of each step of one run on this rank. time.perf_counter is CLOCK_MONOTONIC on Linux, so
     all ranks share one clock and the critical path across them is computed afterwards (critical_path)."""
@@ -314,12 +308,6 @@ def merge_ranks(per_rank: list[list[dict[str, Any]]], warmup: int) -> list[dict[
     return merged
 
 
-def stats_ms(values: list[float]) -> dict[str, float]:
-    ms = sorted(v * 1e3 for v in values)
-    q = statistics.quantiles(ms, n=10, method="inclusive")
-    return {"median": statistics.median(ms), "p10": q[0], "p90": q[-1], "n": len(ms)}
-
-
 def compare(hand: list[dict[str, Any]], strat: list[dict[str, Any]]) -> dict[str, Any]:
     """Hand-written against strategy runs of one config: wall-clock steps, and the robust costs (medians of
     what lies outside schedule.step in the window, and of the time between windows)."""
@@ -440,8 +428,7 @@ def main() -> None:
         "warmup": args.warmup,
         "repeats": args.repeats,
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-        f"lightning {lightning.__version__}",
+        "machine": f"{machine()}, lightning {lightning.__version__}",
         "model": {"width": WIDTH, "blocks": BLOCKS, "batch": BATCH, "loss": "mse", "optimizer": "SGD", "lr": LR},
         "pp": PP,
         "configs": CONFIGS,

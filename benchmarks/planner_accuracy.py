@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -30,6 +29,7 @@ import lightning.pytorch as pl
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from measure import busy_cpu_seconds, machine
 from omegaconf import DictConfig, OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,12 +99,6 @@ CALIBRATION: dict[str, list[tuple[str, Layout, int]]] = {
 
 
 # ---- steady-state step times inside train.py ------------------------------------------------------------------------
-def busy_cpu_seconds() -> float:
-    """CPU seconds every process on the machine has spent busy since boot (Linux /proc/stat)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
-
-
 class StepTimes(pl.Callback):
     """Added to the measured train.py runs (+callbacks.step_times): per-step seconds, and the CPU seconds this
     rank and the whole machine spent during fit, written to `step_times_rank<r>.json` in the run directory, so
@@ -436,7 +430,7 @@ def main() -> None:
               flush=True)  # fmt: skip
     result = {
         "when": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": f"{platform.machine()}, {CORES} CPUs, torch {torch.__version__}",
+        "machine": machine(),
         "steps": args.steps, "repeats": args.repeats, "target": TARGET, "wall_s": time.perf_counter() - started,
         "others_median": statistics.median(x for r in rows for x in r["others_cores"]),
         "repeated_runs": sum(a - 1 for r in rows for a in r["attempts"]),

@@ -15,7 +15,6 @@ import gc
 import json
 import logging
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -32,6 +31,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from measure import busy_cpu_seconds, machine, stats_ms
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -120,12 +120,6 @@ class BatchList(torch.utils.data.Dataset):
 
 
 # ---- timed runs (inside each rank) ---------------------------------------------------------------
-def busy_cpu_seconds() -> float:
-    """CPU seconds every process on the machine has spent busy since boot (Linux /proc/stat)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
-
-
 def rss_kib(field: str) -> int | None:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -373,12 +367,6 @@ def merge_ranks(per_rank: list[list[dict[str, Any]]], warmup: int) -> list[dict[
     return merged
 
 
-def stats_ms(values: list[float]) -> dict[str, float]:
-    ms = sorted(v * 1e3 for v in values)
-    q = statistics.quantiles(ms, n=10, method="inclusive")
-    return {"median": statistics.median(ms), "p10": q[0], "p90": q[-1], "n": len(ms)}
-
-
 def pooled(runs: list[dict[str, Any]], series: str) -> dict[str, float]:
     return stats_ms([t for run in runs for t in run[series]])
 
@@ -542,7 +530,7 @@ def main() -> None:
         "warmup": args.warmup,
         "repeats": args.repeats,
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        "machine": f"{machine()}, "
         f"lightning {lightning.__version__}",
         "model": {"name": "GPT", "width": WIDTH, "depth": DEPTH, "heads": HEADS, "vocab_size": VOCAB,
                   "context_length": CONTEXT, "batch": BATCH, "loss": "cross_entropy", "optimizer": "SGD", "lr": LR},
