@@ -106,15 +106,17 @@ def test_clipping_was_active_and_parameters_were_mixed(launched: dict[str, list[
 def test_sharded_layers_hold_their_share_at_tp2(launched: dict[str, list[dict[str, Any]]], name: str) -> None:
     for result in launched[name]:
         assert result["bytes"], "nothing was sharded"
-        for module, (local, whole) in result["bytes"].items():
+        for module, (local, whole, grad) in result["bytes"].items():
             assert local <= 1.1 * whole / 2, f"{module}: {local} bytes on one rank of {whole}"
+            # gradients sharded like their parameters (a vocabulary-parallel embedding's came back whole)
+            assert 0 < grad <= local, f"{module}: gradient {grad} bytes on one rank, parameters {local}"
 
 
 @pytest.mark.slow
 def test_sharded_layers_hold_their_share_at_tp4(launched: dict[str, list[dict[str, Any]]]) -> None:
     for result in launched["gpt_tp4"]:
-        local, whole = (sum(sizes) for sizes in zip(*result["bytes"].values(), strict=True))
-        assert local <= 1.1 * whole / 4
+        local, whole, grad = (sum(sizes) for sizes in zip(*result["bytes"].values(), strict=True))
+        assert local <= 1.1 * whole / 4 and grad <= local
         assert len(result["describe"]["parameter_bytes_per_rank"]) == 4
 
 

@@ -20,13 +20,21 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_parallel.dims import ParallelDims
 from lightning_parallel.models.init import materialize
 from lightning_parallel.precision import clip_grad_norm_global, clip_grad_value_mixed
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
-from lightning_parallel.tensor.plans import STYLES, apply_plan, auto_plan, check_plan, expand_plan
+from lightning_parallel.tensor.plans import (
+    STYLES,
+    apply_plan,
+    auto_plan,
+    check_plan,
+    expand_plan,
+    keep_gradients_sharded,
+)
 
 
 class TensorParallelStrategy(MeshStrategy):
@@ -79,6 +87,7 @@ class TensorParallelStrategy(MeshStrategy):
         self.sequence_parallel = sequence_parallel
         self.network_attr = network_attr
         self._description: dict[str, Any] | None = None
+        self._gradient_hooks: list[RemovableHandle] = []
 
     # ---- sizes and validation (main process, before launch) -------------------------------------
     @override
@@ -140,6 +149,9 @@ class TensorParallelStrategy(MeshStrategy):
                 )
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
+        for handle in self._gradient_hooks:  # a later fit/validate sets up again
+            handle.remove()
+        self._gradient_hooks = keep_gradients_sharded(self.network_of(module))
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         self.precision_plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
         self.barrier()

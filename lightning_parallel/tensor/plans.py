@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.tensor.conv import BatchNormParallel, ConvColwiseParallel, ConvRowwiseParallel
 
@@ -194,6 +195,28 @@ def apply_plan(model: nn.Module, plan: Mapping[str, str], mesh: DeviceMesh, *, s
     active = {name: style for name, style in styles.items() if style is not None}
     if active:
         parallelize_module(model, mesh, active, src_data_rank=None)
+
+
+def keep_gradients_sharded(model: nn.Module) -> list[RemovableHandle]:
+    """Slice a sharded parameter's replicated gradient down to the parameter's own shard as it is accumulated.
+
+    DTensor has no sharded backward for a vocabulary-parallel embedding (torch 2.13): its gradient comes back
+    replicated, vocabulary x width on every rank, and would stay that size through the optimizer step.
+    Replicate -> Shard is a local slice, so the hook never communicates inside backward. Register after the
+    last `Module.to()`: it swaps DTensor parameters' contents (`swap_tensors`) and their hooks go with them.
+    """
+    return [
+        param.register_post_accumulate_grad_hook(_reshard_replicated_gradient)
+        for param in model.parameters()
+        if isinstance(param, DTensor) and any(not isinstance(p, Replicate) for p in param.placements)
+    ]
+
+
+def _reshard_replicated_gradient(param: torch.Tensor) -> None:
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        if all(isinstance(p, Replicate) for p in grad.placements):
+            param.grad = grad.redistribute(param.device_mesh, param.placements)  # type: ignore[attr-defined]
 
 
 # ---- automatic plan for plain layer stacks ---------------------------------------------------------------------

@@ -24,13 +24,20 @@ class SelfShardingTask(LanguageModelTask):
         parallelize_module(self.model, self.device_mesh["tp"], plan)
 
 
-def sharded_bytes(network: torch.nn.Module, names: list[str]) -> dict[str, tuple[int, int]]:
-    """name -> (bytes on this rank, bytes of the whole module) for the directly owned parameters."""
+def local_bytes(tensor: torch.Tensor | None) -> int:
+    if tensor is None:
+        return 0
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).numel() * tensor.element_size()
+
+
+def sharded_bytes(network: torch.nn.Module, names: list[str]) -> dict[str, tuple[int, int, int]]:
+    """name -> (parameter bytes on this rank, bytes of the whole module, gradient bytes on this rank; the last
+    step's gradients are still there after fit) for the directly owned parameters."""
     result = {}
     for name in names:
         params = list(network.get_submodule(name).parameters(recurse=False))
-        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in params)
-        result[name] = (local, sum(p.numel() * p.element_size() for p in params))
+        whole = sum(p.numel() * p.element_size() for p in params)
+        result[name] = (sum(map(local_bytes, params)), whole, sum(local_bytes(p.grad) for p in params))
     return result
 
 
