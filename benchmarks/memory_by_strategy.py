@@ -202,7 +202,7 @@ def write_report(result: dict[str, Any]) -> None:
     (RESULTS / "memory_by_strategy.md").write_text("\n".join(lines + ["", *notes(rows, result["steps"])]) + "\n")
 
 
-def notes(rows: list[dict[str, Any]], steps: int) -> list[str]:
+def notes(rows: list[dict[str, Any]], run_steps: int) -> list[str]:
     """Where the planner's model state differs from the measured one, and why (each only when it happens)."""
     found = ["Where prediction and measurement differ:", ""]
     pairs = [zip(r[STATE_KEYS[2]], r["predicted"]["model_state_per_rank"], strict=True) for r in rows]
@@ -232,12 +232,13 @@ def notes(rows: list[dict[str, Any]], steps: int) -> list[str]:
         extra = min(ddp["added_bytes_per_rank"]) - single["added_bytes_per_rank"][0]
         found.append(
             f"- rest vs predicted activations: the planner counts activations only; the rest also holds the AdamW "
-            f"step's temporaries, allocator slack and communication buffers (ddp adds {extra / MiB:.0f} MiB more than "
-            f"single; conf/strategy/ddp.yaml sets gradient_as_bucket_view, so DDP's buckets are the gradients)."
+            f"step's temporaries, allocator slack and communication buffers (ddp's training adds "
+            f"{extra / MiB:+.0f} MiB to single's; conf/strategy/ddp.yaml sets gradient_as_bucket_view, so DDP's "
+            "buckets are the gradients)."
         )
     if any(r["layout"].startswith("fsdp (FSDP2") for r in rows):
         found.append(
-            f"- peak RSS after {steps} steps is a lower bound for a long run: RSS still grows over the first "
+            f"- peak RSS after {run_steps} steps is a lower bound for a long run: RSS still grows over the first "
             "steps (most under FSDP2 on CPU, which allocates its all-gather and reduce-scatter buffers every step "
             "with no caching allocator to reuse them)."
         )
