@@ -2,8 +2,8 @@
 (the measured bubble) can be put next to the schedule's analytic one, and drawn.
 
 Forward and full backward are timed. A backward ends when the stage's input gradient is computed, or on the
-first stage (whose input needs no gradient, so torch fires the module's backward hook as soon as it starts)
-when its parameter gradients are. Schedules that split the backward (the zero-bubble ones and
+first stage (whose input needs no gradient: torch would fire a module backward hook as soon as the backward
+starts) when its parameter gradients are. Schedules that split the backward (the zero-bubble ones and
 DualPipeV) get forward timing only: module backward hooks wrap the stage's inputs and outputs, which
 breaks torch's separate input-gradient pass, so their backward work counts as idle here.
 """
@@ -40,16 +40,22 @@ class StageTimer:
                 self._time_backward(index, module)
 
     def _time_backward(self, index: int, module: nn.Module) -> None:
-        module.register_full_backward_pre_hook(lambda *_: self._start("B", index))
-
-        def input_gradient_done(_module: nn.Module, grad_input: tuple, _grad_output: tuple) -> None:
-            if any(g is not None for g in grad_input):
-                self._end("B", index)
-
-        module.register_full_backward_hook(input_gradient_done)
+        if index == 0:
+            # Stage 0's input never needs a gradient, and torch then fires (and warns about) module backward
+            # hooks when the backward starts: begin at the output's autograd node instead.
+            module.register_forward_hook(lambda _m, _a, output: self._on_backward_start(output, index))
+        else:
+            module.register_full_backward_pre_hook(lambda *_: self._start("B", index))
+            module.register_full_backward_hook(lambda *_: self._end("B", index))
         params = [p for p in module.parameters() if p.requires_grad]
-        if params:  # whichever of the two comes first closes the event
+        if params:  # whichever ends first closes the event; on stage 0 only this one does
             torch.autograd.graph.register_multi_grad_hook(params, lambda _: self._end("B", index))
+
+    def _on_backward_start(self, output: Any, index: int) -> None:
+        outputs = output if isinstance(output, tuple | list) else (output,)
+        nodes = {t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        for node in nodes:
+            node.register_prehook(lambda *_: self._start("B", index))
 
     def _start(self, kind: str, stage: int) -> None:
         if self.active:
