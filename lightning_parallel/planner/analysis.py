@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.planner.workload import Block, Workload, human_count
-from lightning_parallel.tensor.plans import expand_plan
+from lightning_parallel.tensor.plans import expand_plan, sharded_sizes
 
 # style -> parameter names it splits across tensor-parallel ranks (as tensor/plans.py and tensor/conv.py apply them)
 SHARDED_PARAMETERS: dict[str, tuple[str, ...]] = {
@@ -83,27 +83,13 @@ def workload_from_module(
 def tp_modulus(model: nn.Module, styles: Mapping[str, str]) -> int:
     """The gcd of every size an expanded plan shards (features, heads, channels, vocabulary); 1 without a plan.
 
-    Mirrors the divisibility rules of ``tensor.plans.check_plan``, so a size divides it exactly when that check passes.
+    Uses the divisibility rules of ``tensor.plans.check_plan``, so a size divides it exactly when that check passes.
     """
     modules = dict(model.named_modules())
     modulus = 0
     for name, style in styles.items():
-        module = modules[name]
-        sizes: list[int] = []
-        if isinstance(module, nn.Linear) and style in ("colwise", "colwise_gather", "rowwise"):
-            features = module.in_features if style == "rowwise" else module.out_features
-            sizes.append(features)
-            parent = modules.get(name.rpartition(".")[0]) if "." in name else None
-            head_dim = getattr(parent, "head_dim", None)
-            if isinstance(head_dim, int) and head_dim > 0 and features % head_dim == 0:
-                sizes.append(features // head_dim)
-        elif isinstance(module, nn.Embedding) and style in ("colwise", "vocab_parallel"):
-            sizes.append(module.embedding_dim if style == "colwise" else module.num_embeddings)
-        elif isinstance(module, nn.Conv2d) and style in ("conv_colwise", "conv_rowwise"):
-            sizes.append(module.out_channels if style == "conv_colwise" else module.in_channels)
-        elif isinstance(module, nn.BatchNorm2d) and style == "batchnorm_sharded":
-            sizes.append(module.num_features)
-        for size in sizes:
+        parent = modules.get(name.rpartition(".")[0]) if "." in name else None
+        for _, size in sharded_sizes(style, modules[name], parent):
             modulus = math.gcd(modulus, size)
     return modulus or 1
 

@@ -146,7 +146,7 @@ def check_plan(
                 f"tensor plan: {name} is a Conv2d with groups={module.groups}; channel-parallel styles need "
                 f"groups=1. HINT: map {name} to 'replicate'"
             )
-        for what, size in _sharded_sizes(style, module, _parent(modules, name)):
+        for what, size in sharded_sizes(style, module, _parent(modules, name)):
             if size % tp != 0:
                 fits = [d for d in range(1, min(size, 64) + 1) if size % d == 0]
                 raise ValueError(
@@ -164,7 +164,7 @@ def _parent(modules: dict[str, nn.Module], name: str) -> nn.Module | None:
     return modules.get(name.rpartition(".")[0]) if "." in name else None
 
 
-def _sharded_sizes(style: str, module: nn.Module, parent: nn.Module | None) -> list[tuple[str, int]]:
+def sharded_sizes(style: str, module: nn.Module, parent: nn.Module | None) -> list[tuple[str, int]]:
     """(what, size) pairs that the tensor-parallel size must divide for this style."""
     sizes: list[tuple[str, int]] = []
     if isinstance(module, nn.Linear) and style in ("colwise", "colwise_gather", "rowwise"):
