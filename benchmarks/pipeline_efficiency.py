@@ -14,8 +14,6 @@ import argparse
 import json
 import logging
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
@@ -30,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from measure import LoadMeter, machine, stats_ms
 from pipeline_overhead import BATCH, BLOCKS, LR, BatchList, RegressionTask, build_network, make_batches
+from ranks import bare_trainer, launch
 from torch import nn
 
 from lightning_parallel import PipelineParallelStrategy
@@ -61,20 +60,7 @@ class StepWindow(pl.Callback):
 def run_strategy(schedule: str, m: int, state: dict, batches: list, total: int) -> dict[str, Any]:
     strategy = PipelineParallelStrategy(schedule=schedule, microbatches=m, timeout=300)
     window = StepWindow()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=PP,
-        strategy=strategy,
-        max_steps=total,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        use_distributed_sampler=False,  # dp=1: both pipeline ranks read the same batches
-        callbacks=[window],
-    )
+    trainer = bare_trainer(strategy, PP, total, [window])
     task = RegressionTask(build_network(state))
     loader = torch.utils.data.DataLoader(BatchList(batches, total), batch_size=None, shuffle=False)
     cpu = time.process_time()
@@ -171,17 +157,6 @@ def ideal(schedule: str, m: int, costs: dict[str, float], optimizer_s: float) ->
     return {"step_s": timeline.makespan + optimizer_s, "idle_fraction": timeline.bubble_fraction}
 
 
-def launch(args: argparse.Namespace, out: Path) -> list[list[dict[str, Any]]]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={PP}", __file__]
-    cmd += ["--worker", str(out), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    cmd += ["--repeats", str(args.repeats)]
-    with open(out / "ranks.log", "w") as log:
-        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"ranks failed (exit {done.returncode}); log:\n{(out / 'ranks.log').read_text()[-4000:]}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(PP)]
-
-
 def measured(per_rank: list[list[dict[str, Any]]], warmup: int) -> dict[tuple[str, int], dict[str, Any]]:
     """Per config: the pipeline's step (first rank out of the barrier to the last one done) over all repeats."""
     rows: dict[tuple[str, int], dict[str, Any]] = {}
@@ -273,6 +248,10 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def worker_args(args: argparse.Namespace) -> list[str]:
+    return ["--steps", str(args.steps), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--steps", type=int, default=10)
@@ -292,7 +271,7 @@ def main() -> None:
     costs = {size: stage_costs(*size) for size in sorted(sizes)}
     single = single_step()
     with tempfile.TemporaryDirectory() as tmp:
-        per_rank = launch(args, Path(tmp))
+        per_rank = launch(__file__, PP, Path(tmp), worker_args(args), args.timeout)
     result = summarise(per_rank, args, costs, single)
     result["config"] = {
         "date": datetime.now().strftime("%Y-%m-%d %H:%M"),

@@ -2,7 +2,7 @@
 torch.distributed.pipelining loop (same model, schedule, micro-batches, batches and optimizer), the
 single-process step for scale, and parameter bytes per rank. Writes results/pipeline_overhead.{json,md}.
 
-Launches its own ranks (torchrun-style environment variables, one thread each); it does not use tests/.
+Launches its ranks with torchrun (ranks.py), one thread each; it does not use tests/.
 Usage: .venv/bin/python benchmarks/pipeline_overhead.py [--steps 8 --warmup 2 --repeats 10]
 """
 
@@ -11,11 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
@@ -30,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from measure import busy_cpu_seconds, machine, stats_ms
+from ranks import bare_trainer, launch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
@@ -182,20 +179,7 @@ def run_handwritten(schedule: str, m: int, state: dict, batches: list, total: in
 
 def run_strategy(schedule: str, m: int, state: dict, batches: list, total: int) -> dict[str, Any]:
     strategy = PipelineParallelStrategy(schedule=schedule, microbatches=m, timeout=300)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=PP,
-        strategy=strategy,
-        max_steps=total,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        use_distributed_sampler=False,  # dp=1: both pipeline ranks read the same sequential batches
-        callbacks=[StepTimer()],
-    )
+    trainer = bare_trainer(strategy, PP, total, [StepTimer()])
     task = RegressionTask(build_network(state))
     loader = torch.utils.data.DataLoader(BatchList(batches, total), batch_size=None, shuffle=False)
     PROBE.reset()
@@ -245,34 +229,7 @@ def worker(out: Path, args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-# ---- launcher and report (main process) ----------------------------------------------------------
-def launch(args: argparse.Namespace, out: Path) -> list[list[dict[str, Any]]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    procs = []
-    for rank in range(PP):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(PP)}
-        env |= {"NODE_RANK": "0", "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, __file__, "--worker", str(out)]
-        cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
-        log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed after the process ends
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    try:
-        for proc, log in procs:
-            proc.wait(timeout=args.timeout)
-            log.close()
-    finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.kill()
-    failed = [rank for rank, (proc, _) in enumerate(procs) if proc.returncode != 0]
-    if failed:
-        tail = (out / f"rank{failed[0]}.log").read_text()[-4000:]
-        raise SystemExit(f"ranks {failed} failed; rank {failed[0]} log:\n{tail}")
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(PP)]
-
-
+# ---- report (main process) ----------------------------------------------------------------------
 def critical_path(runs: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """Per measured step across the ranks of one run (steps start together at a barrier). step: the
     slowest rank's window; outside_schedule: the part of the step's span in which no rank is inside
@@ -409,6 +366,10 @@ def markdown(summary: dict[str, Any], config: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def worker_args(args: argparse.Namespace) -> list[str]:
+    return ["--steps", str(args.steps), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="PipelineParallelStrategy vs a hand-written pipelining loop")
     parser.add_argument("--steps", type=int, default=8, help="measured steps per run")
@@ -422,7 +383,7 @@ def main() -> None:
         return
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        runs = merge_ranks(launch(args, Path(tmp)), args.warmup)
+        runs = merge_ranks(launch(__file__, PP, Path(tmp), worker_args(args), args.timeout), args.warmup)
     config = {
         "steps": args.steps,
         "warmup": args.warmup,

@@ -1,0 +1,44 @@
+"""Running a benchmark on several ranks: launch the script's own worker mode with torchrun and collect what each
+rank wrote, and the bare Lightning Trainer a timed strategy run uses (nothing but the strategy and its callbacks).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+
+
+def launch(script: str, nprocs: int, out: Path, args: list[str], timeout: float) -> list[Any]:
+    """Run `script --worker OUT *args` on `nprocs` local ranks; return each rank's `rank<r>.json`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", script]
+    with open(out / "ranks.log", "w") as log:
+        done = subprocess.run(
+            [*cmd, "--worker", str(out), *args], stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False
+        )
+    if done.returncode != 0:
+        raise SystemExit(f"ranks failed (exit {done.returncode}); log:\n{(out / 'ranks.log').read_text()[-4000:]}")
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(nprocs)]
+
+
+def bare_trainer(strategy: Any, devices: int, steps: int, callbacks: list[pl.Callback]) -> pl.Trainer:
+    """A Trainer that only trains: no logger, checkpoint, progress bar, summary or validation. All ranks read
+    the same sequential batches (no distributed sampler): every rank here is one replica's part."""
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        callbacks=callbacks,
+    )
