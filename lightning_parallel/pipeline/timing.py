@@ -1,11 +1,10 @@
 """When each local pipeline stage computes, measured with module hooks, so the idle time per rank
 (the measured bubble) can be put next to the schedule's analytic one, and drawn.
 
-Forward and full backward are timed. A backward ends when the stage's input gradient is computed, or on the
-first stage (whose input needs no gradient: torch would fire a module backward hook as soon as the backward
-starts) when its parameter gradients are. Schedules that split the backward (the zero-bubble ones and
-DualPipeV) get forward timing only: module backward hooks wrap the stage's inputs and outputs, which
-breaks torch's separate input-gradient pass, so their backward work counts as idle here.
+Forward and full backward are timed; a backward runs from the stage output's autograd node to the stage's
+last parameter gradient. Schedules that split the backward (the zero-bubble ones and DualPipeV) get forward
+timing only: their weight-gradient pass runs apart from the input-gradient pass, so one span would cover
+the wait between them; their backward work counts as idle here.
 """
 
 from __future__ import annotations
@@ -40,15 +39,12 @@ class StageTimer:
                 self._time_backward(index, module)
 
     def _time_backward(self, index: int, module: nn.Module) -> None:
-        if index == 0:
-            # Stage 0's input never needs a gradient, and torch then fires (and warns about) module backward
-            # hooks when the backward starts: begin at the output's autograd node instead.
-            module.register_forward_hook(lambda _m, _a, output: self._on_backward_start(output, index))
-        else:
-            module.register_full_backward_pre_hook(lambda *_: self._start("B", index))
-            module.register_full_backward_hook(lambda *_: self._end("B", index))
+        """From the moment backward reaches the stage's output to the moment its parameter gradients are done.
+        (Module backward hooks would fire, and torch warn, at the start on stage 0, whose input needs no
+        gradient.) A stage without parameters computes next to nothing; its backward is not timed."""
         params = [p for p in module.parameters() if p.requires_grad]
-        if params:  # whichever ends first closes the event; on stage 0 only this one does
+        if params:
+            module.register_forward_hook(lambda _m, _a, output: self._on_backward_start(output, index))
             torch.autograd.graph.register_multi_grad_hook(params, lambda _: self._end("B", index))
 
     def _on_backward_start(self, output: Any, index: int) -> None:
