@@ -317,6 +317,19 @@ def make_partition(
     )
 
 
+def shared_across_ranks(model: nn.Module, partition: Partition) -> dict[str, list[str]]:
+    """Parameters used by blocks on different pipeline ranks (e.g. an embedding tied to the head): for each,
+    its qualified names. Pruning would leave each rank its own copy, and the copies would drift apart."""
+    rank_of = {name: partition.stage_to_rank[i] for i, stage in enumerate(partition.stages) for name in stage}
+    holders: dict[int, tuple[set[int], list[str]]] = {}
+    for block, child in model.named_children():
+        for name, param in child.named_parameters(remove_duplicate=False):
+            ranks, names = holders.setdefault(id(param), (set(), []))
+            ranks.add(rank_of.get(block, -1))
+            names.append(f"{block}.{name}")
+    return {names[0]: names for ranks, names in holders.values() if len(ranks) > 1}
+
+
 def prune_to_blocks(model: nn.Sequential, keep: Iterable[str]) -> None:
     """Replace every block not in ``keep`` by ``nn.Identity()``, in place.
 

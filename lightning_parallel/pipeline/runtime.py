@@ -47,6 +47,13 @@ def choose_microbatches(batch_size: int, requested: int, fits: Callable[[int], b
     return None
 
 
+def placeholder_loss(output: object) -> torch.Tensor:
+    """A zero loss connected to every floating output, so a schedule can run its backward without a real loss."""
+    tensors = [t for t in (output if isinstance(output, (list, tuple)) else [output]) if isinstance(t, torch.Tensor)]
+    floating = [t for t in tensors if t.is_floating_point()]
+    return sum((t * 0).sum() for t in floating) if floating else torch.zeros(())  # type: ignore[return-value]
+
+
 def take_gradients(params: Sequence[nn.Parameter]) -> list[torch.Tensor | None]:
     """Detach the current gradients from the parameters and return them (the parameters keep none)."""
     grads = [p.grad for p in params]
@@ -60,23 +67,25 @@ def put_gradients(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor |
         p.grad = g
 
 
-def keep_buffers_through_metadata_inference(schedule: object, modules: Sequence[nn.Module]) -> None:
-    """Undo what torch's shape inference does to module buffers.
+def guard_metadata_inference(schedule: object, modules: Sequence[nn.Module], inferring: list[bool]) -> None:
+    """Undo what torch's shape inference does to module buffers, and flag it while it runs.
 
     On the first step of a schedule (torch 2.13), every stage runs one extra forward to infer shapes,
-    on the first micro-batch at stage 0 and on uninitialised memory elsewhere: BatchNorm running
-    statistics would silently absorb it. Buffers are saved before that step and restored after it.
+    on the first micro-batch at stage 0 and on uninitialised memory elsewhere, and the last stage calls the
+    loss on that output with the whole target. BatchNorm running statistics would silently absorb the forward,
+    so buffers are saved before that step and restored after it; `inferring[0]` is True meanwhile, so the
+    loss can skip user code that must see each real micro-batch exactly once.
     """
     infer = schedule._initialize_pp_stages  # type: ignore[attr-defined]
     buffers = [b for module in modules for b in module.buffers()]
-    if not buffers:
-        return
 
     def guarded(*args: object, **kwargs: object) -> object:
         saved = [b.detach().clone() for b in buffers]
+        inferring[0] = True
         try:
             return infer(*args, **kwargs)
         finally:
+            inferring[0] = False
             with torch.no_grad():
                 for buffer, value in zip(buffers, saved, strict=True):
                     buffer.copy_(value)
@@ -143,9 +152,15 @@ class PipelineRuntime:
         self.has_first = 0 in self.stage_modules
         self.has_last = num_stages - 1 in self.stage_modules
         self._schedules: dict[tuple, object] = {}
+        self._inferring = [False]
         self.microbatches_used: dict[tuple, tuple[str, int]] = {}
         # Fallback schedules (ANY_COUNT) split the backward only when the configured one does too.
         self.timer = StageTimer(self.stage_modules, backward=not spec.splits_backward)
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self._inferring[0]:  # shape inference: any loss connected to the output will do
+            return placeholder_loss(output)
+        return self.loss_fn(output, target)
 
     def _fits(self, name: str, count: int) -> bool:
         try:
@@ -175,14 +190,14 @@ class PipelineRuntime:
                 PipelineStage(module, index, self.num_stages, self.device, group=self.group)
                 for index, module in self.stage_modules.items()
             ]
-            loss_fn = self.loss_fn if training else None
+            loss_fn = self._loss if training else None
             if issubclass(spec.torch_class, PipelineScheduleSingle):
                 schedule = spec.torch_class(stages[0], n_microbatches=count, loss_fn=loss_fn)
             else:
                 schedule = spec.torch_class(stages, n_microbatches=count, loss_fn=loss_fn)
             if not training:
                 drop_backward_actions(schedule)
-            keep_buffers_through_metadata_inference(schedule, list(self.stage_modules.values()))
+            guard_metadata_inference(schedule, list(self.stage_modules.values()), self._inferring)
             self._schedules[key] = schedule
             self.microbatches_used[key] = (name, count)
         return self._schedules[key]

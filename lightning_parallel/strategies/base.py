@@ -7,6 +7,7 @@ tensor plans; subclasses say how the world splits (`resolve_dims`) and what to c
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 from abc import abstractmethod
@@ -20,14 +21,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.distributed import (
+    DistributedSamplerWrapper,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _update_dataloader, has_iterable_dataset
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
@@ -39,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 from typing_extensions import override
 
 from lightning_parallel.checkpoint import META_FILE, MODEL_KEY, partial_path, read_meta, replace_with
@@ -93,6 +99,7 @@ class MeshStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._dims: ParallelDims | None = None
         self._mesh: DeviceMesh | None = None
+        self._use_distributed_sampler: bool | None = None
         self.num_nodes = 1
 
     @abstractmethod
@@ -103,13 +110,26 @@ class MeshStrategy(ParallelStrategy):
         """Check the LightningModule before any process is launched (subclasses extend)."""
 
     def find_network(self, module: pl.LightningModule, required: type[nn.Module], need: str) -> Any:
-        """The network at `module.<network_attr>`, or one clear error naming what this strategy needs."""
-        network = getattr(module, self.network_attr, None)  # type: ignore[attr-defined]
+        """The network: `module.<network_attr>`, or with no attribute named, the one child module holding
+        parameters (`self.model`, `self.net`, ...). Otherwise one clear error naming what this strategy needs."""
+        attr: str | None = self.network_attr  # type: ignore[attr-defined]
+        where = type(module).__name__
+        if attr is None:
+            candidates = [name for name, child in module.named_children() if any(True for _ in child.parameters())]
+            if len(candidates) != 1:
+                found = f"candidates {candidates}" if candidates else "no child module with parameters"
+                raise ValueError(
+                    f"cannot tell which attribute of {where} is the network ({found}). HINT: keep the network in "
+                    f"one attribute (self.model = MyNetwork()), or pass network_attr='<attribute>' to "
+                    f"{type(self).__name__}"
+                )
+            attr = candidates[0]
+        network = getattr(module, attr, None)
         if not isinstance(network, required):
             found = type(network).__name__ if network is not None else "nothing"
             raise ValueError(
-                f"{need} at `{type(module).__name__}.{self.network_attr}`; found {found}. HINT: store it "  # type: ignore[attr-defined]
-                f"there, or pass network_attr='<attribute>' to {type(self).__name__}"
+                f"{need} at `{where}.{attr}`; found {found}. HINT: store it there, or pass "
+                f"network_attr='<attribute>' to {type(self).__name__}"
             )
         return network
 
@@ -167,6 +187,46 @@ class MeshStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         self._dims = self.resolve_dims(self.world_size)
         self._mesh = self.dims.build_mesh(self.root_device.type, timeout=self._timeout)
+        self._take_over_sampler_injection()
+
+    def _take_over_sampler_injection(self) -> None:
+        """Lightning injects a shuffling DistributedSampler into the training loader of any distributed
+        strategy, even where there is one replica and even under `shuffle=False`; `process_dataloader` does it
+        instead, keeping the user's choice. The user's `use_distributed_sampler` is kept and honoured."""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if trainer is None:
+            return
+        connector = trainer._accelerator_connector
+        if self._use_distributed_sampler is None:
+            self._use_distributed_sampler = connector.use_distributed_sampler
+        connector.use_distributed_sampler = False
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Shard a loader over the data-parallel replicas only, keeping its shuffle choice; at one replica, or
+        with `use_distributed_sampler=False`, leave it exactly as the user built it."""
+        if (
+            not self._use_distributed_sampler
+            or self.dims.dp == 1
+            or not isinstance(dataloader, DataLoader)
+            or isinstance(dataloader.sampler, DistributedSampler)
+            or has_iterable_dataset(dataloader)
+        ):
+            return dataloader
+        sampler = dataloader.sampler
+        kwargs = {"num_replicas": self.dims.dp, "rank": self.dims.coords(self.global_rank)[0]}
+        kwargs["seed"] = int(os.getenv("PL_GLOBAL_SEED", 0))
+        predicting = self.lightning_module is not None and self.lightning_module.trainer.predicting
+        new: Sampler
+        if predicting:
+            new, mode = UnrepeatedDistributedSamplerWrapper(sampler, shuffle=False, **kwargs), RunningStage.PREDICTING
+        elif isinstance(sampler, (RandomSampler, SequentialSampler)):
+            new = DistributedSampler(dataloader.dataset, shuffle=isinstance(sampler, RandomSampler), **kwargs)
+            mode = None
+        else:
+            new, mode = DistributedSamplerWrapper(sampler, shuffle=False, **kwargs), None
+        return _update_dataloader(dataloader, new, mode=mode)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

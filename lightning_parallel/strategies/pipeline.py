@@ -1,7 +1,8 @@
 """PipelineParallelStrategy: the LightningModule's network is cut into stages on different ranks and
 micro-batches flow through them (torch.distributed.pipelining), while the user's code stays single-device.
 
-Owns the training step: `self(x)` only records its input, and the named loss method runs the schedule.
+Owns the training step: the user's `training_step` runs unchanged, its network call served by the schedule
+(`strategies/user_step.py`).
 Splitting math lives in `pipeline/partition.py`, the schedule mechanics in `pipeline/runtime.py`.
 """
 
@@ -22,20 +23,32 @@ from typing_extensions import override
 from lightning_parallel.dims import ParallelDims
 from lightning_parallel.models.init import materialize
 from lightning_parallel.pipeline.batchnorm import commit_batchnorm, defer_batchnorm
-from lightning_parallel.pipeline.partition import Partition, make_partition, prune_to_blocks, stage_module
+from lightning_parallel.pipeline.partition import (
+    Partition,
+    make_partition,
+    prune_to_blocks,
+    shared_across_ranks,
+    stage_module,
+)
 from lightning_parallel.pipeline.profile import measure_block_costs
 from lightning_parallel.pipeline.runtime import PipelineRuntime, put_gradients, take_gradients
 from lightning_parallel.pipeline.schedule_plan import ScheduleSpec, analytic_bubble, resolve_schedule
 from lightning_parallel.precision import agree_on_overflow, clip_grad_norm_global
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
-from lightning_parallel.strategies.pending import PendingOutput, swap_attribute
+from lightning_parallel.strategies.user_step import (
+    MicroSteps,
+    StepRefused,
+    capture_network_inputs,
+    replay_logs,
+    swap_attribute,
+)
 
 
 class PipelineParallelStrategy(MeshStrategy):
     """Pipeline parallelism (optionally x data parallelism) as a Lightning strategy.
 
-    Contract with the LightningModule: the network is an `nn.Sequential` of named blocks stored at
-    `network_attr`, and the training loss goes through the method `loss_attr(output, target)`.
+    Contract with the LightningModule: the network is an `nn.Sequential` of named blocks (found by itself, or at
+    `network_attr`), and `training_step` calls it once and returns a loss computed from its output.
 
     Args:
         microbatches: micro-batches per step (default 2 x stages); fewer when a batch needs it.
@@ -45,7 +58,8 @@ class PipelineParallelStrategy(MeshStrategy):
         balance: "parameters" (default), "time" (measure each block), or explicit block names per stage.
         deferred_batchnorm: update BatchNorm running statistics once per mini-batch from all its
             micro-batches (as one process would); normalisation always uses micro-batch statistics.
-        network_attr / loss_attr: where the network and the loss method live on the LightningModule.
+        network_attr: the LightningModule's attribute holding the network; None finds the one child with
+            parameters (the error lists the candidates when there are several).
         timeout: seconds (or timedelta) a collective may wait before the run fails.
     """
 
@@ -60,8 +74,7 @@ class PipelineParallelStrategy(MeshStrategy):
         data_parallel_size: int = 1,
         balance: str | Sequence[Sequence[str]] = "parameters",
         deferred_batchnorm: bool = False,
-        network_attr: str = "model",
-        loss_attr: str = "loss_fn",
+        network_attr: str | None = None,
         timeout: float | timedelta = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
         **kwargs: Any,
@@ -81,7 +94,9 @@ class PipelineParallelStrategy(MeshStrategy):
         self.deferred_batchnorm = deferred_batchnorm
         self._batchnorms: list[nn.Module] = []
         self.network_attr = network_attr
-        self.loss_attr = loss_attr
+        self._micro_steps: MicroSteps | None = None
+        self._step_rest: tuple[Any, ...] = ()
+        self._step_kwargs: dict[str, Any] = {}
         self._spec: ScheduleSpec | None = None
         self._partition: Partition | None = None
         self._runtime: PipelineRuntime | None = None
@@ -120,17 +135,19 @@ class PipelineParallelStrategy(MeshStrategy):
         network = self.network_of(module)
         if self._runtime is not None:
             return  # already split (e.g. trainer.validate after fit): the pruned network would mislead
-        if not callable(getattr(module, self.loss_attr, None)):
+        if not module.automatic_optimization:
             raise ValueError(
-                f"{type(module).__name__} has no loss method `{self.loss_attr}(output, target)`. HINT: route the "
-                f"training loss through such a method, or pass loss_attr='<its name>' to PipelineParallelStrategy"
+                f"{type(module).__name__} uses manual optimization; PipelineParallelStrategy runs forward and "
+                "backward together in its schedule inside training_step. HINT: use automatic optimization, or "
+                "strategy='ddp' / 'tensor'"
             )
         # Checks the split is possible (enough blocks, a valid explicit split); a time-balanced split is
         # measured later, in setup, where a sample batch exists.
         balance = "parameters" if self.balance == "time" else self.balance
-        make_partition(
+        partition = make_partition(
             network, pp=self.dims.pp, stages_per_rank=self.spec.stages_per_rank, style=self.spec.style, balance=balance
         )
+        refuse_tied_parameters(network, partition)
 
     def network_of(self, module: pl.LightningModule) -> nn.Sequential:
         return self.find_network(
@@ -189,6 +206,7 @@ class PipelineParallelStrategy(MeshStrategy):
         pp_rank = self.device_mesh.get_local_rank("pp")
         if self._runtime is None:  # first set-up of this model: split it (later fit/validate calls reuse it)
             self._partition = self.make_partition(network, trainer)
+            refuse_tied_parameters(network, self.partition)
             prune_to_blocks(network, self.partition.blocks_of(pp_rank))
             materialize(network, self.root_device)
             if self.deferred_batchnorm:
@@ -196,6 +214,7 @@ class PipelineParallelStrategy(MeshStrategy):
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
         if self._runtime is None:
+            self._micro_steps = MicroSteps(module, network, self._user_step)
             self._runtime = self._build_runtime(module, network, pp_rank)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         if self._scaler is not None:
@@ -218,7 +237,7 @@ class PipelineParallelStrategy(MeshStrategy):
             microbatches=self.microbatches_for(self.dims.pp),
             group=self.group("pp"),
             device=self.root_device,
-            loss_fn=self._scaled(getattr(module, self.loss_attr)),
+            loss_fn=self._scaled(self.micro_steps.loss),
         )
 
     def describe_layout(self) -> str:
@@ -236,29 +255,41 @@ class PipelineParallelStrategy(MeshStrategy):
     # ---- the step ------------------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The user's training_step, unchanged: run up to its network call on every rank to learn the network's
+        inputs, then per micro-batch on the last stage as the schedule's loss; its logs replayed everywhere."""
         module = self.lightning_module
         network = self.network_of(module)
-        with (
-            swap_attribute(network, "forward", PendingOutput.recorder()),
-            swap_attribute(module, self.loss_attr, self._pipelined_loss),
-        ):
-            return super().training_step(*args, **kwargs)
-
-    def _pipelined_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        if not isinstance(output, PendingOutput):
-            raise RuntimeError(
-                f"under PipelineParallelStrategy, `{self.loss_attr}` must receive the network's output directly "
-                f"(`self.{self.loss_attr}(self(x), y)`); got {type(output).__name__}"
-            )
+        batch, self._step_rest, self._step_kwargs = args[0], args[1:], kwargs
+        inputs = capture_network_inputs(lambda: self._user_step(batch), network, module)
+        rows = inputs[0].shape[0] if inputs and isinstance(inputs[0], torch.Tensor) else 0
+        micro_steps = self.micro_steps
+        micro_steps.begin(batch, rows)
         params = self.local_parameters()
         earlier = take_gradients(params)  # gradients accumulated by earlier micro-steps
-        loss = self.runtime.train_step(output.inputs(), target)
+        with self.precision_plugin.train_step_context():
+            loss = self.runtime.train_step(inputs, torch.arange(rows, device=self.root_device))
         commit_batchnorm(self._batchnorms)
         self._fresh_grads = take_gradients(params)
         put_gradients(params, earlier)
         if loss is not None and self._scaler is not None:
             loss = loss / self._scaler.get_scale()  # report the loss itself, not the scaled one
-        return self._from_last_stage(loss, torch.Size(), torch.float32)
+        # One object from the last stage: the loss, the logs to replay, or why the step was refused.
+        report = [(float(loss), micro_steps.report) if loss is not None else None]
+        dist.broadcast_object_list(report, src=self._last_stage_rank(), group=self.group("pp"))
+        value, step_report = report[0]  # type: ignore[misc]
+        if step_report.error is not None:
+            raise StepRefused(step_report.error)
+        replay_logs(module, step_report.records, holds_metrics=self.runtime.has_last)
+        return torch.tensor(value, dtype=torch.float32, device=self.root_device)
+
+    def _user_step(self, batch: Any) -> Any:
+        return super().training_step(batch, *self._step_rest, **self._step_kwargs)
+
+    @property
+    def micro_steps(self) -> MicroSteps:
+        if self._micro_steps is None:
+            raise RuntimeError("the micro-steps exist once the strategy is set up")
+        return self._micro_steps
 
     @property
     def _scaler(self) -> torch.amp.GradScaler | None:
@@ -390,3 +421,14 @@ class PipelineParallelStrategy(MeshStrategy):
             "imbalance": partition.imbalance,
             "cost_unit": partition.cost_unit,
         }
+
+
+def refuse_tied_parameters(network: nn.Module, partition: Partition) -> None:
+    """One line naming the parameters shared by blocks on different ranks, before anything is launched."""
+    shared = shared_across_ranks(network, partition)
+    if shared:
+        tied = "; ".join(" = ".join(names) for names in shared.values())
+        raise ValueError(
+            f"tied parameters across pipeline ranks ({tied}): each rank would train its own copy and they would "
+            "drift apart. HINT: put the blocks that share them on one stage (balance=[[...], [...]]), or untie them"
+        )

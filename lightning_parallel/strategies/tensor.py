@@ -27,10 +27,10 @@ from lightning_parallel.dims import ParallelDims
 from lightning_parallel.models.init import materialize
 from lightning_parallel.precision import clip_grad_norm_global, clip_grad_value_mixed
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
+from lightning_parallel.tensor.pairing import auto_plan
 from lightning_parallel.tensor.plans import (
     STYLES,
     apply_plan,
-    auto_plan,
     check_plan,
     expand_plan,
     keep_gradients_sharded,
@@ -49,7 +49,8 @@ class TensorParallelStrategy(MeshStrategy):
     Args:
         tensor_parallel_size: ranks that share one copy of the model; None derives it from the devices.
         data_parallel_size: model replicas; None derives it from the devices.
-        plan: {pattern: style} overriding the network's own `tp_plan`, "auto" to pair Linear layers, or None
+        plan: {pattern: style} overriding the network's own `tp_plan`, "auto" to pair layers column -> row
+            (Linear and Conv2d stacks, see `tensor.pairing.auto_plan`), or None
             (the network's `tp_plan`, else "auto").
         sequence_parallel: also split norms and the residual stream along the sequence (plans that have
             "sequence_parallel" entries, e.g. GPT's).

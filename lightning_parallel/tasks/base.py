@@ -1,7 +1,7 @@
 """The step logic shared by every task: model call, named loss method, logging, optimizer wiring.
 
-Strategy-agnostic on purpose: no parallelism here. A pipeline strategy intercepts `self(x)` and the
-named `loss_fn` method, so both must stay the only way a step reaches the network and the loss.
+Strategy-agnostic on purpose: no parallelism here, and nothing a strategy needs beyond an ordinary
+LightningModule (the network in one attribute, `training_step` returning a loss computed from its output).
 """
 
 from __future__ import annotations

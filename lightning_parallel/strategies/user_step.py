@@ -1,0 +1,265 @@
+"""The user's own `training_step` under pipeline parallelism, unchanged.
+
+It runs twice over: once on every rank up to its network call (to learn the network's inputs), then on the
+last stage once per micro-batch, with that micro-batch's stage output in place of the network call, as the
+schedule's loss. `self.log` calls are recorded there and replayed on every rank after the schedule, so
+`sync_dist=True` collectives line up (running them inside the schedule deadlocks). Knows nothing about
+schedules or ranks: the strategy runs the schedule and moves the records between ranks.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torchmetrics import Metric
+
+from lightning_parallel.pipeline.runtime import placeholder_loss
+
+_LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
+_MISSING = object()
+
+
+@contextmanager
+def swap_attribute(obj: object, name: str, value: Any) -> Iterator[None]:
+    """Set `obj.name = value` in the instance dict (shadowing methods and submodules), then undo it."""
+    saved = obj.__dict__.get(name, _MISSING)
+    obj.__dict__[name] = value
+    try:
+        yield
+    finally:
+        if saved is _MISSING:
+            del obj.__dict__[name]
+        else:
+            obj.__dict__[name] = saved
+
+
+class StepRefused(RuntimeError):
+    """A training_step this strategy cannot run exactly; the message is one line with a HINT."""
+
+
+class _NetworkCalled(Exception):  # noqa: N818 - control flow, not an error
+    def __init__(self, args: tuple[Any, ...]) -> None:
+        super().__init__()
+        self.inputs = args
+
+
+def capture_network_inputs(run_step: Callable[[], Any], network: nn.Module, module: nn.Module) -> tuple[Any, ...]:
+    """Run the user's step until it calls the network and return what the network receives (logs muted)."""
+
+    def stop_at_network(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise StepRefused(
+                f"the network is called with keyword arguments {sorted(kwargs)}; a pipeline passes positional "
+                "tensors between stages. HINT: call it as self(x) / self.<network>(x, ...) with positional inputs"
+            )
+        raise _NetworkCalled(args)
+
+    with swap_attribute(network, "forward", stop_at_network), swap_attribute(module, "log", _ignore):
+        try:
+            run_step()
+        except _NetworkCalled as called:
+            return called.inputs
+    raise StepRefused(
+        f"{type(module).__name__}.training_step never called its network, so there is nothing to pipeline. "
+        "HINT: compute the loss from self(x) or self.<network>(x)"
+    )
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@dataclass
+class LogRecord:
+    """One `self.log` call made during a micro-batch: a plain value, or the path of a torchmetrics Metric
+    and the micro-batch value it computed."""
+
+    name: str
+    value: float | torch.Tensor | None
+    kwargs: dict[str, Any]
+    metric: str | None = None
+
+
+@dataclass
+class StepReport:
+    """What the last stage learned from the user's step: per micro-batch log records, or why it refused."""
+
+    records: list[list[LogRecord]] = field(default_factory=list)
+    error: str | None = None
+
+
+class MicroSteps:
+    """The schedule's loss on the last stage: the user's training_step on one micro-batch of the batch.
+
+    Args:
+        module: the LightningModule.
+        network: the (pruned) network whose output is substituted.
+        run_step: calls the user's training_step on a batch (the strategy adds the other step arguments).
+    """
+
+    def __init__(self, module: pl.LightningModule, network: nn.Module, run_step: Callable[[Any], Any]) -> None:
+        self.module = module
+        self.network = network
+        self.run_step = run_step
+        self._param_names = {id(p): name for name, p in module.named_parameters()}
+        self._metric_paths = {id(m): name for name, m in module.named_modules() if isinstance(m, Metric)}
+        self._batch: Any = None
+        self._rows = 0
+        self.report = StepReport()
+
+    def begin(self, batch: Any, rows: int) -> None:
+        """A new batch of `rows` samples (the network input's leading size) is about to be scheduled."""
+        self._batch, self._rows, self.report = batch, rows, StepReport()
+
+    def loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
+        """Loss of the micro-batch whose sample indices are `rows` (contiguous), from its stage output."""
+        if self.report.error is not None:
+            return placeholder_loss(output)  # finish the schedule quietly; every rank raises afterwards
+        micro_batch = slice_batch(self._batch, int(rows[0]), int(rows[-1]) + 1, self._rows)
+        records: list[LogRecord] = []
+        try:
+            with (
+                swap_attribute(self.network, "forward", _once(output)),
+                swap_attribute(self.module, "log", self._recorder(records)),
+                _ParameterGuard(self._param_names),
+            ):
+                result = self.run_step(micro_batch)
+            loss = _loss_of(result)
+        except StepRefused as refused:
+            self.report.error = str(refused)
+            return placeholder_loss(output)
+        self.report.records.append(records)
+        return loss
+
+    def _recorder(self, records: list[LogRecord]) -> Callable[..., None]:
+        def record(*args: Any, **kwargs: Any) -> None:
+            bound = _LOG_SIGNATURE.bind(self.module, *args, **kwargs).arguments
+            name, value = bound.pop("name"), bound.pop("value")
+            bound.pop("self")
+            bound.pop("sync_dist_group", None)  # a process group does not travel; sync_dist covers the world
+            if isinstance(value, Metric):
+                path = self._metric_paths.get(id(value))
+                if path is None:
+                    raise StepRefused(
+                        f"self.log({name!r}, <metric>) logs a torchmetrics Metric that is not an attribute of "
+                        f"{type(self.module).__name__}. HINT: create it in __init__ (self.train_acc = Accuracy(...))"
+                    )
+                records.append(LogRecord(name, _plain(value._forward_cache), bound, metric=path))
+            else:
+                records.append(LogRecord(name, _plain(value), bound))
+
+        return record
+
+
+def replay_logs(module: pl.LightningModule, records: list[list[LogRecord]], *, holds_metrics: bool) -> None:
+    """Log, on this rank, what the user's step logged: each name once, its mean over the micro-batches.
+
+    Micro-batches are equal in size, so the mean of per-micro-batch means is the batch mean. A torchmetrics
+    Metric was updated only on the last stage (`holds_metrics`); elsewhere it is marked as updated with
+    nothing added, so the epoch-end `compute()` joins the same all-gather and sums the last stages' states.
+    """
+    by_name: dict[str, list[LogRecord]] = {}
+    for micro in records:
+        for record in micro:
+            by_name.setdefault(record.name, []).append(record)
+    for name, seen in by_name.items():
+        kwargs = dict(seen[0].kwargs)
+        if kwargs.get("batch_size") is not None:
+            kwargs["batch_size"] = sum(int(r.kwargs["batch_size"]) for r in seen)
+        value = _mean([r.value for r in seen])
+        if seen[0].metric is None:
+            module.log(name, value, **kwargs)
+            continue
+        metric = module.get_submodule(seen[0].metric)
+        if not holds_metrics:
+            metric._update_count += 1  # torchmetrics: compute() warns and skips its sync without an update
+            metric._computed = None  # a cached value would skip the all-gather the other ranks join
+        metric._forward_cache = value  # what on_step logging shows: the batch's value
+        module.log(name, metric, **kwargs)
+
+
+def slice_batch(batch: Any, start: int, stop: int, rows: int) -> Any:
+    """Rows [start, stop) of every tensor in the batch whose leading size is `rows`; everything else as is."""
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop] if batch.dim() > 0 and batch.shape[0] == rows else batch
+    if isinstance(batch, Mapping):
+        return type(batch)({k: slice_batch(v, start, stop, rows) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(slice_batch(v, start, stop, rows) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(slice_batch(v, start, stop, rows) for v in batch)
+    return batch
+
+
+def _once(output: Any) -> Callable[..., Any]:
+    calls = 0
+
+    def substitute(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            raise StepRefused(
+                "training_step calls the network twice; a pipeline runs one forward per step, so the second call "
+                "has no stage output. HINT: concatenate the inputs into one call (self(torch.cat([x1, x2])))"
+            )
+        return output
+
+    return substitute
+
+
+def _loss_of(result: Any) -> torch.Tensor:
+    loss = result.get("loss") if isinstance(result, Mapping) else result
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise StepRefused(
+            f"training_step returned {type(result).__name__}; under pipeline parallelism it must return the loss "
+            "(a scalar tensor, or a dict with 'loss') for every batch. HINT: skipping a batch (None) is not supported"
+        )
+    loss = loss.sum() if loss.dim() else loss
+    # torch's split backward detaches stage outputs in place, which a view (e.g. losses[0]) does not allow
+    return loss.clone() if loss._is_view() else loss
+
+
+class _ParameterGuard(TorchFunctionMode):
+    """Refuses a loss that computes with parameters directly (e.g. an L2 term over self.parameters()): each stage
+    holds only its own, so such a term would silently count one stage's parameters only."""
+
+    def __init__(self, names: dict[int, str]) -> None:
+        super().__init__()
+        self.names = names
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for value in [*args, *(kwargs or {}).values()]:
+            candidates = value if isinstance(value, (list, tuple)) else (value,)
+            for tensor in candidates:
+                if isinstance(tensor, nn.Parameter):
+                    name = self.names.get(id(tensor), "a parameter")
+                    raise StepRefused(
+                        f"training_step computes with the parameter `{name}` directly (a regularisation term?); "
+                        "under pipeline parallelism each stage holds only its own parameters, so the term would "
+                        "count one stage only. HINT: use the optimizer's weight_decay, or strategy='ddp'/'tensor'"
+                    )
+        return func(*args, **(kwargs or {}))
+
+
+def _plain(value: Any) -> float | torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().float().cpu()
+        return float(value) if value.numel() == 1 else value
+    return None if value is None else float(value)
+
+
+def _mean(values: list[Any]) -> Any:
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    if all(isinstance(v, float) for v in present):
+        return torch.tensor(sum(present) / len(present))
+    return torch.stack([torch.as_tensor(v) for v in present]).mean(0)
