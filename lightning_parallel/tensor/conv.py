@@ -1,5 +1,5 @@
 """Channel-parallel CNN styles for `parallelize_module`: Conv2d sharded by output channels (column) or by input
-channels with the partial outputs all-reduced (row), and BatchNorm2d on channel shards.
+channels with the partial outputs all-reduced (row), and BatchNorm (2d on channel, 1d on feature shards).
 
 Only the styles live here; which module gets which style is a plan (see `plans.py`).
 """
@@ -58,17 +58,20 @@ class ConvRowwiseParallel(ParallelStyle):
 
 
 class BatchNormParallel(ParallelStyle):
-    """`BatchNorm2d` on channel shards: weight, bias and running statistics become DTensors sharded on dim 0.
+    """`BatchNorm2d` on channel shards, `BatchNorm1d` on feature shards: weight, bias and running statistics become
+    DTensors sharded on dim 0.
 
-    Input: a local channel shard (B, C / tp, H, W) or a DTensor. Output: the local channel shard. Statistics are
-    per channel, so this needs no communication. DTensor has channel-sharding rules for batch norm, but the local
-    tensor it hands back is a view that an in-place ReLU (as in ResNet) may not modify, so the functional batch
-    norm runs on the local shards instead.
+    Input: a local shard (B, C / tp, H, W) after `ConvColwiseParallel`, or (B, F / tp) after a column-parallel
+    Linear, or a DTensor. Output: the local shard. Statistics are per channel, so this needs no communication.
+    DTensor has channel-sharding rules for batch norm, but the local tensor it hands back is a view that an
+    in-place ReLU (as in ResNet) may not modify, so the functional batch norm runs on the local shards instead.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(module, nn.BatchNorm2d):
-            raise ValueError(f"{type(self).__name__} shards nn.BatchNorm2d, got {type(module).__name__}")
+        if not isinstance(module, nn.BatchNorm1d | nn.BatchNorm2d):
+            raise ValueError(
+                f"{type(self).__name__} shards nn.BatchNorm1d / nn.BatchNorm2d, got {type(module).__name__}"
+            )
         for key in ("weight", "bias"):
             _shard_parameter(module, key, device_mesh, Shard(0), self.src_data_rank)
         for key in ("running_mean", "running_var"):
@@ -128,9 +131,9 @@ def _row_forward(conv: nn.Conv2d, mesh: DeviceMesh, x: torch.Tensor) -> torch.Te
     return out if bias is None else out + bias.view(1, -1, 1, 1)
 
 
-def _norm_forward(bn: nn.BatchNorm2d, mesh: DeviceMesh, x: torch.Tensor) -> torch.Tensor:
+def _norm_forward(bn: nn.BatchNorm1d | nn.BatchNorm2d, mesh: DeviceMesh, x: torch.Tensor) -> torch.Tensor:
     if isinstance(x, DTensor):
-        x = x.redistribute(mesh, [Shard(1)]).to_local()  # (B, C / tp, H, W)
+        x = x.redistribute(mesh, [Shard(1)]).to_local()  # (B, C / tp, H, W) or (B, F / tp)
     # As nn.BatchNorm2d.forward, on this rank's channels.
     factor = 0.0 if bn.momentum is None else bn.momentum
     if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:

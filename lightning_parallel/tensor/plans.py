@@ -1,19 +1,17 @@
 """Tensor-parallel plans as data: a table `module-name pattern -> style name`, expanded against a model, checked
 before launch (every pattern matches, every sharded size divides), found automatically for plain Linear stacks, and
-applied with torch's `parallelize_module`. It chooses no mesh and no size; the strategy does.
+applied with torch's `parallelize_module`. It chooses no mesh and no size (the strategy does), and finds no plan
+(`pairing.py` does).
 """
 
 from __future__ import annotations
 
 import difflib
-from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
 import torch
-import torch.nn.functional as F
-from torch import fx, nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -33,13 +31,15 @@ from lightning_parallel.tensor.conv import BatchNormParallel, ConvColwiseParalle
 STYLES: dict[str, str] = {
     "colwise": "Linear/Embedding: shard output features; input replicated",
     "rowwise": "Linear: shard input features; all-reduce the output",
+    "rowwise_from_channels": "Linear after flattening a conv_colwise feature map: input features are channel-major, "
+    "so a rank's channels are one contiguous block of them; all-reduce the output",
     "colwise_gather": "Linear: shard output features, then gather the full output (e.g. logits)",
     "vocab_parallel": "Embedding: shard the vocabulary; output replicated",
     "sequence_parallel": "LayerNorm/RMSNorm/Dropout: run on sequence shards when sequence_parallel=True",
     "shard_sequence": "any module: split its output along the sequence when sequence_parallel=True",
     "conv_colwise": "Conv2d: shard output channels; input replicated",
     "conv_rowwise": "Conv2d: shard input channels; all-reduce the output",
-    "batchnorm_sharded": "BatchNorm2d: on channel shards",
+    "batchnorm_sharded": "BatchNorm1d/BatchNorm2d: on feature / channel shards (after colwise / conv_colwise)",
     "replicate": "leave the module whole on every rank",
 }
 _SEQUENCE_STYLES = frozenset({"sequence_parallel", "shard_sequence"})
@@ -48,13 +48,14 @@ _NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.RMSNorm, nn.Dropout)
 _ACCEPTS: dict[str, tuple[type[nn.Module], ...] | None] = {
     "colwise": (nn.Linear, nn.Embedding),
     "rowwise": (nn.Linear,),
+    "rowwise_from_channels": (nn.Linear,),
     "colwise_gather": (nn.Linear,),
     "vocab_parallel": (nn.Embedding,),
     "sequence_parallel": _NORMS,
     "shard_sequence": None,
     "conv_colwise": (nn.Conv2d,),
     "conv_rowwise": (nn.Conv2d,),
-    "batchnorm_sharded": (nn.BatchNorm2d,),
+    "batchnorm_sharded": (nn.BatchNorm1d, nn.BatchNorm2d),
     "replicate": None,
 }
 
@@ -66,6 +67,8 @@ def make_style(name: str, *, sequence_parallel: bool) -> ParallelStyle | None:
         return ColwiseParallel(input_layouts=seq) if sequence_parallel else ColwiseParallel()
     if name == "rowwise":
         return RowwiseParallel(output_layouts=seq, use_local_output=False) if sequence_parallel else RowwiseParallel()
+    if name == "rowwise_from_channels":  # (B, C / tp * H * W) local, this rank's block of features: Shard(1)
+        return RowwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     if name == "colwise_gather":
         return ColwiseParallel(input_layouts=seq if sequence_parallel else Replicate(), output_layouts=Replicate())
     if name == "vocab_parallel":
@@ -167,9 +170,10 @@ def _parent(modules: dict[str, nn.Module], name: str) -> nn.Module | None:
 def sharded_sizes(style: str, module: nn.Module, parent: nn.Module | None) -> list[tuple[str, int]]:
     """(what, size) pairs that the tensor-parallel size must divide for this style."""
     sizes: list[tuple[str, int]] = []
-    if isinstance(module, nn.Linear) and style in ("colwise", "colwise_gather", "rowwise"):
-        features = module.in_features if style == "rowwise" else module.out_features
-        sizes.append(("in_features" if style == "rowwise" else "out_features", features))
+    if isinstance(module, nn.Linear) and style in ("colwise", "colwise_gather", "rowwise", "rowwise_from_channels"):
+        row = style.startswith("rowwise")
+        features = module.in_features if row else module.out_features
+        sizes.append(("in_features" if row else "out_features", features))
         head_dim = getattr(parent, "head_dim", None)  # attention projections: whole heads per rank
         if isinstance(head_dim, int) and head_dim > 0 and features % head_dim == 0:
             sizes.append(("attention heads", features // head_dim))
@@ -181,8 +185,8 @@ def sharded_sizes(style: str, module: nn.Module, parent: nn.Module | None) -> li
         sizes.append(
             ("out_channels", module.out_channels) if style == "conv_colwise" else ("in_channels", module.in_channels)
         )
-    elif isinstance(module, nn.BatchNorm2d) and style == "batchnorm_sharded":
-        sizes.append(("channels", module.num_features))
+    elif isinstance(module, nn.BatchNorm1d | nn.BatchNorm2d) and style == "batchnorm_sharded":
+        sizes.append(("channels" if isinstance(module, nn.BatchNorm2d) else "features", module.num_features))
     return sizes
 
 
@@ -217,93 +221,3 @@ def _reshard_replicated_gradient(param: torch.Tensor) -> None:
     if isinstance(grad, DTensor) and grad.placements != param.placements:
         if all(isinstance(p, Replicate) for p in grad.placements):
             param.grad = grad.redistribute(param.device_mesh, param.placements)  # type: ignore[attr-defined]
-
-
-# ---- automatic plan for plain layer stacks ---------------------------------------------------------------------
-_ELEMENTWISE_MODULES: tuple[type[nn.Module], ...] = (
-    nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Mish, nn.Dropout, nn.Identity,
-)  # fmt: skip
-_ELEMENTWISE_FUNCTIONS = {F.relu, F.gelu, F.silu, F.leaky_relu, F.elu, F.mish, F.dropout, torch.relu, torch.tanh,
-                          torch.sigmoid}  # fmt: skip
-_ELEMENTWISE_METHODS = {"relu", "tanh", "sigmoid"}
-
-
-@dataclass(frozen=True)
-class AutoPlan:
-    """A plan found by `auto_plan`: the plan itself and, for each module left whole, the reason."""
-
-    plan: dict[str, str]
-    replicated: dict[str, str] = field(default_factory=dict)
-
-
-def auto_plan(model: nn.Module, *, tensor_parallel_size: int) -> AutoPlan:
-    """Pair Linear layers whose hidden activation only passes through element-wise ops: column, then row.
-
-    The data flow comes from a `torch.fx` trace, not from attribute order, so parallel branches (q, k, v) are never
-    paired. Every other module with parameters stays replicated, with the reason recorded.
-
-    Raises:
-        ValueError: The model cannot be traced, or no pair can be sharded; the message names each module and why.
-    """
-    tp = tensor_parallel_size
-    try:
-        graph = fx.symbolic_trace(model).graph
-    except Exception as error:  # fx raises many types (TraceError, TypeError, ...) for untraceable code
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(
-            f"automatic tensor plan: torch.fx cannot trace {type(model).__name__} ({reason}). "
-            "HINT: give the model a `tp_plan` dict or pass plan={'<module pattern>': 'colwise', ...}"
-        ) from error
-    modules = dict(model.named_modules())
-    calls = Counter(str(node.target) for node in graph.nodes if node.op == "call_module")
-    plan: dict[str, str] = {}
-    replicated: dict[str, str] = {}
-    for node in graph.nodes:
-        first = _called_module(node, modules)
-        name = str(node.target)
-        if not isinstance(first, nn.Linear) or name in plan:
-            continue
-        partner = _consumer_linear(node, modules)
-        second = str(partner.target) if partner is not None else ""
-        if calls[name] > 1 or partner is None or calls[second] > 1 or second in plan:
-            replicated.setdefault(name, "no single Linear consumes its output through element-wise ops")
-        elif first.out_features % tp != 0:
-            replicated[name] = f"hidden size {first.out_features} not divisible by {tp}"
-        else:
-            plan[name], plan[second] = "colwise", "rowwise"
-            replicated.pop(second, None)
-    for name, module in modules.items():
-        if name not in plan and any(True for _ in module.parameters(recurse=False)):
-            replicated.setdefault(name, f"{type(module).__name__} is not part of a Linear pair")
-    if not plan:
-        reasons = "; ".join(f"{name}: {why}" for name, why in replicated.items()) or "it has no Linear layers"
-        raise ValueError(
-            f"automatic tensor plan found nothing to shard in {type(model).__name__} at tensor_parallel_size {tp} "
-            f"({reasons}). HINT: pass plan={{'<module pattern>': '<style>'}} with styles from {', '.join(STYLES)}"
-        )
-    return AutoPlan(plan=plan, replicated=replicated)
-
-
-def _consumer_linear(node: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None:
-    """The Linear that alone consumes `node`'s output through a chain of single-use element-wise ops."""
-    current = node
-    while len(current.users) == 1:
-        user = next(iter(current.users))
-        if user.args[:1] != (current,) or any(isinstance(a, fx.Node) for a in [*user.args[1:], *user.kwargs.values()]):
-            return None
-        called = _called_module(user, modules)
-        if isinstance(called, nn.Linear):
-            return user
-        elementwise = (
-            isinstance(called, _ELEMENTWISE_MODULES)
-            or (user.op == "call_function" and user.target in _ELEMENTWISE_FUNCTIONS)
-            or (user.op == "call_method" and user.target in _ELEMENTWISE_METHODS)
-        )
-        if not elementwise:
-            return None
-        current = user
-    return None
-
-
-def _called_module(node: fx.Node, modules: dict[str, nn.Module]) -> nn.Module | None:
-    return modules[str(node.target)] if node.op == "call_module" else None

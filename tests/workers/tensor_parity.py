@@ -1,5 +1,6 @@
-"""Worker: fit under each tensor-parallel configuration in the payload; save losses, whole weights, the strategy's
-description and the bytes each sharded module holds on this rank."""
+"""Worker: fit under each tensor-parallel configuration in the payload (a library model, or with "network" one of
+`user_networks.NETWORKS`); save losses, whole weights, the strategy's description and the bytes each sharded module
+holds on this rank."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from common import fit_model, full_state, payload
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from user_networks import fit_user_network
 
 from lightning_parallel.strategies.tensor import TensorParallelStrategy
 from lightning_parallel.tasks import LanguageModelTask
@@ -45,16 +47,18 @@ configs, out = payload()
 results: list[dict[str, Any]] = []
 for config in configs:
     strategy = TensorParallelStrategy(**config["strategy"], timeout=60)
-    task, losses, _ = fit_model(
-        strategy,
-        model=config["model"],
-        devices=config["devices"],
-        global_batch=config["global_batch"],
-        replicas=config["strategy"].get("data_parallel_size", 1),
-        steps=config["steps"],
-        task_class=SelfShardingTask if config.get("configure_model") else None,
-        **config.get("trainer", {}),
-    )
+    size = {"devices": config["devices"], "global_batch": config["global_batch"], "steps": config["steps"]}
+    if "network" in config:
+        task, losses = fit_user_network(strategy, network=config["network"], **size)
+    else:
+        task, losses, _ = fit_model(
+            strategy,
+            model=config["model"],
+            replicas=config["strategy"].get("data_parallel_size", 1),
+            task_class=SelfShardingTask if config.get("configure_model") else None,
+            **size,
+            **config.get("trainer", {}),
+        )
     description = strategy.describe()
     results.append(
         {
