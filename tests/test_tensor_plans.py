@@ -1,14 +1,19 @@
-"""Tensor-parallel plans without processes: wildcard expansion, validation messages, the automatic plan for Linear
-stacks, the models' own plans, and strategy arguments that fail before anything is launched."""
+"""Tensor-parallel plans without processes: wildcard expansion, validation messages, the automatic plan (Linear and
+Conv2d stacks, the networks of `workers/user_networks.py`, refusals by name), the models' own plans, and strategy
+arguments that fail before anything is launched."""
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
+from distributed import WORKERS
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel, SequenceParallel
 
 from lightning_parallel.models import GPT, ResNet, SimpleCNN
@@ -24,6 +29,9 @@ from lightning_parallel.tensor import (
     expand_plan,
     make_style,
 )
+
+sys.path.insert(0, str(WORKERS))
+from user_networks import NETWORKS  # noqa: E402
 
 
 def tiny_gpt(**sizes: int) -> GPT:
@@ -93,6 +101,9 @@ def test_style_names_map_to_torch_and_conv_styles() -> None:
     assert isinstance(make_style("conv_colwise", sequence_parallel=False), ConvColwiseParallel)
     assert isinstance(make_style("conv_rowwise", sequence_parallel=False), ConvRowwiseParallel)
     assert isinstance(make_style("batchnorm_sharded", sequence_parallel=False), BatchNormParallel)
+    from_channels = make_style("rowwise_from_channels", sequence_parallel=True)  # never sequence-sharded output
+    assert isinstance(from_channels, RowwiseParallel)
+    assert from_channels.input_layouts == (Shard(1),) and from_channels.output_layouts == (Replicate(),)
 
 
 # ---- validation: one line naming module, size and tp ----------------------------------------------------------
@@ -116,6 +127,19 @@ BAD_PLANS = {
         "1 (BatchNorm2d, batchnorm_sharded) has channels 6",
     ),
     "grouped conv": (lambda: nn.Sequential(nn.Conv2d(4, 4, 3, groups=2)), {"0": "conv_colwise"}, 2, "groups=2"),
+    "depthwise conv": (lambda: nn.Sequential(nn.Conv2d(4, 4, 3, groups=4)), {"0": "conv_rowwise"}, 2, "groups=4"),
+    "batch norm 1d": (
+        lambda: nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6)),
+        {"1": "batchnorm_sharded"},
+        4,
+        "1 (BatchNorm1d, batchnorm_sharded) has features 6",
+    ),
+    "from channels": (
+        lambda: nn.Sequential(nn.Flatten(), nn.Linear(18, 4)),
+        {"1": "rowwise_from_channels"},
+        4,
+        "1 (Linear, rowwise_from_channels) has in_features 18",
+    ),
 }
 
 
@@ -170,6 +194,123 @@ def test_auto_plan_refuses_what_fx_cannot_trace() -> None:
     # GPT checks the sequence length in Python (`if seq_len > context_length`), which symbolic tracing cannot do.
     with pytest.raises(ValueError, match=r"torch.fx cannot trace GPT .*HINT: give the model a `tp_plan`"):
         auto_plan(tiny_gpt(), tensor_parallel_size=2)
+
+
+class ConvStack(nn.Module):
+    """conv_a -> conv_b -> head, with the ops between them chosen per test: the flatten, a grouped middle conv."""
+
+    def __init__(self, *, flatten: str = "torch", groups: int = 1, norm: int = 4) -> None:
+        super().__init__()
+        self.flatten, self.groups = flatten, groups
+        self.conv_a, self.bn = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(norm)
+        self.middle = nn.Conv2d(4, 4, 3, padding=1, groups=groups)
+        self.conv_b, self.head = nn.Conv2d(4, 8, 3, padding=1), nn.Linear(8 * 4 * 4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn(self.conv_a(x)))
+        if self.groups > 1:
+            x = self.middle(x)
+        x = F.avg_pool2d(self.conv_b(x), 2)  # (B, 8, 4, 4) from 8 x 8 images
+        if self.flatten == "torch":
+            x = torch.flatten(x, 1)
+        elif self.flatten == "shape":
+            x = x.reshape(x.shape[0], -1)
+        elif self.flatten == "literal":
+            x = x.view(-1, 8 * 4 * 4)  # the local shard holds 8 / tp channels: this would fold channels into the batch
+        elif self.flatten == "all":
+            x = torch.flatten(x)
+        return self.head(x)
+
+
+def test_auto_plan_shards_the_user_networks() -> None:
+    found = {name: auto_plan(build(), tensor_parallel_size=2) for name, build in NETWORKS.items()}
+    cnn = {"conv1": "conv_colwise", "conv2": "conv_rowwise", "fc1": "colwise", "fc2": "rowwise"}
+    assert found["tutorial_cnn"].plan == found["tutorial_cnn_view"].plan == cnn  # pool used twice: stateless, fine
+    assert "fc2 -> fc3 loses" in found["tutorial_cnn"].replicated["fc3"]
+    vgg = found["vgg"]
+    assert vgg.plan == {
+        "conv2": "conv_colwise",
+        "bn2": "batchnorm_sharded",
+        "conv3": "conv_rowwise",
+        "conv4": "conv_colwise",
+        "bn4": "batchnorm_sharded",
+        "classifier": "rowwise_from_channels",
+    }
+    assert set(vgg.replicated) == {"conv1", "bn1", "bn3"}
+    dense = found["simple_dense_net"]  # `batch_size, channels, width, height = x.size()` traces
+    assert dense.plan == {
+        "model.0": "colwise",
+        "model.1": "batchnorm_sharded",
+        "model.3": "rowwise",
+        "model.6": "colwise",
+        "model.7": "batchnorm_sharded",
+        "model.9": "rowwise",
+    }
+    assert set(dense.replicated) == {"model.4"}
+
+
+def test_auto_plan_chooses_the_pairs_that_shard_most() -> None:
+    # conv_a -> conv_b shards 4*3*9+4 + 8*4*9 = 400 parameters, conv_b -> head 8*4*9+8 + 2*128 = 552: the latter.
+    found = auto_plan(ConvStack(), tensor_parallel_size=2)
+    assert found.plan == {"conv_b": "conv_colwise", "head": "rowwise_from_channels"}
+    assert found.replicated["conv_a"] == "pairing conv_a -> conv_b loses to neighbouring pairs that shard more"
+    assert auto_plan(ConvStack(flatten="shape"), tensor_parallel_size=2).plan == found.plan
+    # At tp 8 conv_b's 8 output channels still split; conv_a's 4 would not.
+    assert auto_plan(ConvStack(), tensor_parallel_size=8).plan == found.plan
+
+
+@pytest.mark.parametrize(
+    ("stack", "conv_b_reason"),
+    [
+        (ConvStack(flatten="literal"), "stops at call_method view"),
+        (ConvStack(flatten="all"), "stops at call_function flatten"),
+        (ConvStack(flatten="none"), "head is a Linear on an unflattened feature map"),
+    ],
+)
+def test_auto_plan_refuses_flattens_a_channel_shard_does_not_survive(stack: ConvStack, conv_b_reason: str) -> None:
+    found = auto_plan(stack, tensor_parallel_size=2)  # conv_b cannot pair with head, so conv_a pairs with conv_b
+    assert found.plan == {"conv_a": "conv_colwise", "bn": "batchnorm_sharded", "conv_b": "conv_rowwise"}
+    assert "head" in found.replicated
+    with pytest.raises(ValueError, match=rf"conv_b: no single Conv2d or flattening Linear .*\({conv_b_reason}\)"):
+        auto_plan(stack, tensor_parallel_size=8)  # conv_a's 4 channels do not split: conv_b's reason is left
+
+
+def test_auto_plan_refuses_grouped_convolutions_by_name() -> None:
+    found = auto_plan(ConvStack(groups=2), tensor_parallel_size=2)
+    assert found.plan == {"conv_b": "conv_colwise", "head": "rowwise_from_channels"}
+    assert (
+        found.replicated["middle"]
+        == "Conv2d with groups=2: the channel-parallel styles split only groups=1 convolutions"
+    )
+    assert "middle: Conv2d with groups=2" in found.replicated["conv_a"]
+    with pytest.raises(ValueError, match=r"\(0: Conv2d with groups=3: the channel-parallel styles split only"):
+        auto_plan(nn.Sequential(nn.Conv2d(3, 6, 3, groups=3), nn.ReLU(), nn.Conv2d(6, 6, 3)), tensor_parallel_size=2)
+
+
+def test_auto_plan_refuses_norms_it_cannot_shard_with_the_pair() -> None:
+    # A BatchNorm over other features than the column layer's, and one module called twice, stay replicated.
+    with pytest.raises(ValueError, match=r"0: 1 normalises 4 features, not the 8 of 0"):
+        auto_plan(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(4), nn.Linear(8, 2)), tensor_parallel_size=2)
+
+    class SharedNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up1, self.up2, self.bn = nn.Linear(4, 8), nn.Linear(4, 8), nn.BatchNorm1d(8)
+            self.down1, self.down2 = nn.Linear(8, 4), nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down1(self.bn(self.up1(x))) + self.down2(self.bn(self.up2(x)))
+
+    with pytest.raises(ValueError, match=r"up1: bn is called 2 times; a sharded layer must be called once"):
+        auto_plan(SharedNorm(), tensor_parallel_size=2)
+
+
+def test_auto_plan_never_flattens_a_linear_shard() -> None:
+    # (B, T, F / tp) flattened is not one contiguous block of T * F: a Linear -> flatten -> Linear stays whole.
+    model = nn.Sequential(nn.Linear(4, 8), nn.Flatten(), nn.Linear(24, 2), nn.ReLU(), nn.Linear(2, 2))
+    found = auto_plan(model, tensor_parallel_size=2)
+    assert found.plan == {"2": "colwise", "4": "rowwise"}
+    assert found.replicated["0"].endswith("(stops at 1)")
 
 
 # ---- the strategy, before any process starts -------------------------------------------------------------------
