@@ -1,0 +1,31 @@
+"""Worker: fit user-style modules (tests/user_modules.py) under a strategy given by registry name; save each
+run's losses, logged metrics and local weights, or the error it stopped with."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from common import payload
+from lightning.pytorch.strategies import StrategyRegistry
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from user_modules import build, fit  # noqa: E402
+
+import lightning_parallel  # noqa: E402, F401 - registers the strategies
+
+configs, out = payload()
+results = []
+for config in configs:
+    module = build(config["net"], config["step"])
+    strategy = config["strategy"]
+    if config.get("kwargs"):
+        strategy = StrategyRegistry[strategy]["strategy"](**config["kwargs"])
+    try:
+        results.append(fit(module, strategy=strategy, devices=config["devices"], steps=config["steps"], shuffle=False))
+    except Exception as error:  # a refused step raises the same line on every rank
+        results.append({"error": f"{type(error).__name__}: {error}"})
+torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
