@@ -1,0 +1,148 @@
+"""Rewrite torch's traced pipeline split (a graph of stage submodules) as a chain: stage i reads only stage
+i-1's outputs and passes on every value a later stage still needs.
+
+``torch.distributed.pipelining.pipeline`` lets a stage read any earlier stage's values (a skip connection that
+jumps a stage) and emit network outputs from any stage; ``PipelineStage`` and every schedule layout here assume
+neighbours only. Pure graph surgery: no tracing, no parameters, no devices.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+
+@dataclass(frozen=True)
+class StageFlow:
+    """The values one traced stage exchanges, named by nodes of torch's top-level split graph.
+
+    Args:
+        args: What the traced stage module takes, in its placeholder order.
+        results: The values it produces: name -> index into its output tuple (None: a single output).
+        live_in: What the chain stage takes: every value computed earlier and used here or later.
+        live_out: What the chain stage returns (not for the last stage, which returns the network's outputs).
+    """
+
+    args: tuple[str, ...]
+    results: dict[str, int | None]
+    live_in: tuple[str, ...]
+    live_out: tuple[str, ...]
+
+
+def stage_flows(split_graph: fx.Graph) -> tuple[list[StageFlow], list[str]]:
+    """Each stage's inputs and outputs in chain form, and the names of the network's flat outputs.
+
+    Args:
+        split_graph: ``Pipe.split_gm.graph``: placeholders, ``submod_*`` calls, ``getitem`` on them, one output.
+    """
+    defined: list[str] = []  # every value in definition order (network inputs first)
+    producer: dict[str, int] = {}  # value -> index of the stage computing it (network inputs: -1)
+    stages: list[fx.Node] = []
+    results: list[dict[str, int | None]] = []
+    for node in split_graph.nodes:
+        if node.op == "placeholder":
+            producer[node.name] = -1
+        elif node.op == "call_module":
+            stages.append(node)
+            results.append({})
+            if not node.users or any(user.target is not operator.getitem for user in node.users):
+                results[-1][node.name] = None
+                producer[node.name] = len(stages) - 1
+        elif node.op == "call_function" and node.target is operator.getitem:
+            stage = stages.index(node.args[0])
+            results[stage][node.name] = node.args[1]
+            producer[node.name] = stage
+        elif node.op != "output":
+            raise RuntimeError(f"unexpected node {node.format_node()} in torch's split graph. HINT: report this.")
+        if node.name in producer:
+            defined.append(node.name)
+    outputs = _node_names(split_graph.output_node().args[0])
+    uses = [_node_names((node.args, node.kwargs)) for node in stages]
+    flows = []
+    for index in range(len(stages)):
+        later = {name for used in uses[index + 1 :] for name in used} | set(outputs)
+        # stage 0 takes every network input, used or not: the schedule hands it the whole micro-batch
+        live_in = [n for n in defined if producer[n] < index and (index == 0 or n in later or n in uses[index])]
+        live_out = [n for n in defined if producer[n] <= index and n in later]
+        flows.append(StageFlow(tuple(uses[index]), results[index], tuple(live_in), tuple(live_out)))
+    return flows, outputs
+
+
+def _node_names(arg: object) -> list[str]:
+    found: list[str] = []
+    fx.node.map_arg(arg, lambda node: found.append(node.name))  # type: ignore[arg-type,return-value]
+    return found
+
+
+def to_chain_stage(
+    module: fx.GraphModule, flow: StageFlow, *, outputs: list[str] | None, out_spec: pytree.TreeSpec | None
+) -> fx.GraphModule:
+    """Rewrite one traced stage, in place, to take ``flow.live_in`` and return ``flow.live_out``.
+
+    Values only passed through come back as the very input tensors (autograd routes their gradient through
+    unchanged). With ``outputs`` (the last stage) it returns the network's output instead, rebuilt with
+    ``out_spec`` (a single tensor, tuple or dict, as the network returned it).
+    """
+    graph = module.graph
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    if len(placeholders) != len(flow.args):
+        raise RuntimeError(
+            f"traced stage has {len(placeholders)} inputs but the split graph passes {len(flow.args)}. "
+            "HINT: report this with the network's forward."
+        )
+    value_node: dict[str, fx.Node] = {}
+    for node, name in zip(placeholders, flow.args, strict=True):
+        if name in value_node:  # one value passed twice: keep one input
+            node.replace_all_uses_with(value_node[name])
+            graph.erase_node(node)
+        else:
+            value_node[name] = node
+    body = next(node for node in graph.nodes if node.op != "placeholder")
+    for name in flow.live_in:
+        if name not in value_node:
+            with graph.inserting_before(body):
+                value_node[name] = graph.placeholder(f"carry_{name}")
+        body.prepend(value_node[name])  # placeholders in live_in order
+    output = graph.output_node()
+    produced = output.args[0]
+    for name, index in flow.results.items():
+        value_node[name] = produced if index is None else produced[index]
+    if outputs is None:
+        returned = tuple(value_node[name] for name in flow.live_out)
+        output.args = (returned[0] if len(returned) == 1 else returned,)
+    else:
+        leaves = [value_node[name] for name in outputs]
+        output.args = (pytree.tree_unflatten(leaves, out_spec) if out_spec is not None else tuple(leaves),)
+    graph._codegen = fx.graph.CodeGen()  # plain positional signature, no pytree in/out specs
+    graph.lint()
+    module.recompile()
+    return module
+
+
+def retarget_device(module: torch.nn.Module, device: torch.device) -> None:
+    """Replace the ``meta`` device baked into traced ops (``torch.arange(n, device=x.device)``) by ``device``."""
+
+    for sub in module.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        hits: list[torch.device] = []
+
+        def swap(arg: object, hits: list[torch.device] = hits) -> object:
+            if isinstance(arg, torch.device) and arg.type == "meta":
+                hits.append(arg)
+                return device
+            return arg
+
+        for node in graph.nodes:
+            args, kwargs = fx.node.map_aggregate(node.args, swap), fx.node.map_aggregate(node.kwargs, swap)
+            if hits:
+                node.args, node.kwargs = args, kwargs
+        if hits and isinstance(sub, fx.GraphModule):
+            sub.recompile()
+        elif hits and hasattr(sub, "finalize"):
+            sub.finalize()  # InterpreterModule: rebuild its codegen fallback too

@@ -1,0 +1,322 @@
+"""Split any ``nn.Module`` (custom ``forward`` included) into pipeline stages with torch's tracing frontend,
+``torch.distributed.pipelining.pipeline``, and bind the traced stages to a rank's real, pruned network.
+
+Traces a meta-device copy, never the real weights: a rank may hold only its own blocks. No process groups,
+no schedules and no Lightning here; ``chain.py`` turns torch's split into neighbour-only stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import linecache
+import re
+import warnings
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import SplitPoint, pipeline
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_parallel.pipeline.chain import retarget_device, stage_flows, to_chain_stage
+from lightning_parallel.pipeline.partition import split_explicit
+
+_SOURCE = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
+
+
+class TracedNetwork:
+    """A network's split units ("blocks"), their FLOP costs, and traced stages bound to the real network.
+
+    Build it before pruning: it keeps a meta-device copy of the whole network (no real storage is copied)
+    and traces that copy once per (split, micro-batch shape, train/eval modes, device), because a trace
+    bakes in the batch size (``x.view(x.size(0), -1)``), the training mode (BatchNorm, dropout,
+    ``if self.training``) and devices of created tensors.
+
+    Args:
+        network: The full network, real or on the meta device.
+        example_inputs: One example batch (a tensor or a tuple of positional tensors), any device.
+
+    Attributes:
+        blocks: Qualified names of the modules the network's ``forward`` calls exactly once, in call order
+            (top-level children, or ``layers.0`` for items of a ``ModuleList``): the possible split points.
+        costs: Forward + backward FLOPs per block for the example batch, including the functional ops
+            that follow the block up to the next one (what a stage starting at that block computes).
+    """
+
+    def __init__(self, network: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        self._name = type(network).__name__
+        self._meta = _meta_copy(network)
+        inputs = _as_inputs(example_inputs)
+        self._cache: dict[tuple, list[nn.Module]] = {}
+        modes = _modes(network)
+        whole = self._trace(inputs, [], modes)
+        calls = [node.target for node in whole.get_stage_module(0).graph.nodes if node.op == "call_module"]
+        bases = [target.split("@")[0] for target in calls]
+        self.blocks = [name for name in bases if bases.count(name) == 1]
+        if not self.blocks:
+            raise ValueError(
+                f"pipeline tracing: {self._name}.forward calls no submodule exactly once (calls: {calls}). "
+                "HINT: give the network child modules (blocks) that its forward calls in order."
+            )
+        finest = self._chain(inputs, [[name] for name in self.blocks], modes)
+        self.costs = _flop_costs(finest, inputs)
+        self._uses = [_canonical_names(stage, self._meta) for stage in finest]
+
+    def stage_modules(
+        self,
+        stages: Sequence[Sequence[str]],
+        owned: Iterable[int],
+        microbatch_inputs: torch.Tensor | Sequence[torch.Tensor],
+        network: nn.Module,
+    ) -> dict[int, nn.Module]:
+        """Modules computing the given stages of ``network`` for one micro-batch shape.
+
+        Stage 0 takes the network's positional inputs; stage i > 0 takes exactly what stage i-1 returns
+        (values a later stage needs are passed along); the last stage returns the network's output. The
+        parameters and buffers are the very objects of ``network`` (possibly pruned and materialised after
+        this object was built), under their original names, so optimizers, checkpoints and BatchNorm
+        running statistics act on the real network. The network's current train/eval modes are traced in.
+
+        Args:
+            stages: Block names per stage, contiguous and in ``blocks`` order.
+            owned: Indices of the stages to build (a rank's stages).
+            microbatch_inputs: One micro-batch of the network's inputs; only shapes, dtypes, device are used.
+            network: The real network, holding at least the owned stages' blocks.
+        """
+        split = split_explicit(self.blocks, stages)
+        inputs = _as_inputs(microbatch_inputs)
+        chain = self._chain(inputs, split, _modes(network), inputs[0].device)
+        built = {}
+        for index in sorted(set(owned)):
+            if not 0 <= index < len(chain):
+                raise ValueError(
+                    f"stage index {index} is out of range for {len(chain)} stages. HINT: use 0..{len(chain) - 1}."
+                )
+            _rebind(chain[index], network, f"stage {index} ({split[index][0]}..{split[index][-1]})")
+            built[index] = chain[index]
+        return built
+
+    def tied_parameters(self) -> dict[str, list[str]]:
+        """Parameters that more than one block's computation reads: canonical name -> those blocks.
+
+        An embedding shared with the output head, a module called twice, a network-level parameter used in
+        two places: if such blocks land on different ranks, each rank holds the same parameter and computes
+        part of its gradient, which the caller must sum across those ranks (nothing here duplicates it).
+        """
+        users: dict[str, list[str]] = {}
+        for block, names in zip(self.blocks, self._uses, strict=True):
+            for name in names:
+                users.setdefault(name, []).append(block)
+        return {name: blocks for name, blocks in users.items() if len(blocks) > 1}
+
+    def _chain(
+        self, inputs: tuple[torch.Tensor, ...], split: list[list[str]], modes: dict[str, bool], device=None
+    ) -> list[nn.Module]:
+        """Traced chain stages on the meta copy, cached per (split, shapes, modes, device)."""
+        shapes = tuple((tuple(t.shape), t.dtype) for t in inputs)
+        key = (tuple(map(tuple, split)), shapes, tuple(sorted(modes.items())), str(device))
+        if key not in self._cache:
+            pipe = self._trace(inputs, [stage[0] for stage in split[1:]], modes)
+            flows, outputs = stage_flows(pipe.split_gm.graph)
+            chain = []
+            for index, flow in enumerate(flows):
+                module = pipe.get_stage_module(index)
+                _check_boundary(module, self._name, split[index + 1][0] if index + 1 < len(flows) else None)
+                last = index == len(flows) - 1
+                to_chain_stage(module, flow, outputs=outputs if last else None, out_spec=self._out_spec)
+                if device is not None and device.type != "meta":
+                    retarget_device(module, device)
+                chain.append(module)
+            self._cache[key] = chain
+        return self._cache[key]
+
+    def _trace(self, inputs: tuple[torch.Tensor, ...], split_points: list[str], modes: dict[str, bool]):
+        """torch's trace of the meta copy in the given modes; a failure becomes one ValueError line."""
+        # torch wraps the forward of every split-point module in place, so each trace gets a fresh copy
+        traced = copy.deepcopy(self._meta)
+        for name, module in traced.named_modules():
+            module.training = modes.get(name, modes[""])
+        outputs: list[object] = []
+        traced.register_forward_hook(lambda module, args, output: outputs.append(output))
+        meta_inputs = tuple(torch.empty_like(t, device="meta") for t in inputs)
+        spec = {name: SplitPoint.BEGINNING for name in split_points} or None
+        try:
+            with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+                warnings.simplefilter("ignore")
+                pipe = pipeline(traced, meta_inputs, split_spec=spec)
+        except Exception as error:
+            raise ValueError(_explain(self._name, error)) from error
+        leaves, self._out_spec = pytree.tree_flatten(outputs[-1])
+        odd = [type(leaf).__name__ for leaf in leaves if not isinstance(leaf, torch.Tensor)]
+        if odd:
+            raise ValueError(
+                f"pipeline tracing: {self._name}.forward returns non-tensor values ({', '.join(odd)}) that a "
+                "pipeline stage cannot send. HINT: return only tensors (a tensor, tuple or dict of tensors)."
+            )
+        return pipe
+
+
+def check_traceable(network: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor]) -> TracedNetwork:
+    """Trace ``network`` split at every block, before any process starts; raise one ValueError line if it fails.
+
+    Splitting at every block exposes every value that could cross a stage boundary, so any coarser split
+    of the same blocks traces too. Returns the traced network (blocks and costs) for reuse.
+    """
+    return TracedNetwork(network, example_inputs)
+
+
+def prune_children(network: nn.Module, keep: Iterable[str], blocks: Sequence[str]) -> None:
+    """Replace every block in ``blocks`` but not in ``keep`` by ``nn.Identity()`` on its parent, in place.
+
+    Like ``partition.prune_to_blocks`` for any module: containers are never rebuilt, so kept parameters
+    keep their full-network names. Modules that are not blocks (called twice, or never) are left alone.
+    """
+    kept = set(keep)
+    unknown = sorted(kept - set(blocks))
+    if unknown:
+        raise ValueError(f"cannot keep unknown blocks {unknown}. HINT: valid block names are {list(blocks)}.")
+    for name in blocks:
+        if name not in kept:
+            parent, _, leaf = name.rpartition(".")
+            network.get_submodule(parent).add_module(leaf, nn.Identity())
+
+
+def _as_inputs(example: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    inputs = (example,) if isinstance(example, torch.Tensor) else tuple(example)
+    if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+        raise ValueError(
+            f"example inputs must be a tensor or a non-empty tuple of tensors, got "
+            f"{[type(t).__name__ for t in inputs]}. "
+            "HINT: pass the network's positional inputs for one micro-batch, e.g. (images,)."
+        )
+    return inputs
+
+
+def _meta_copy(network: nn.Module) -> nn.Module:
+    """A deep copy whose parameters and buffers live on the meta device; real storage is never copied.
+
+    ``deepcopy`` returns memo entries as they are, so shared (tied) tensors stay shared in the copy.
+    """
+    memo: dict[int, object] = {}
+    for param in network.parameters():
+        memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+    for buffer in network.buffers():
+        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    return copy.deepcopy(network, memo)
+
+
+def _modes(network: nn.Module) -> dict[str, bool]:
+    """Training flag per module name ("" is the network): what the trace must bake in."""
+    return {name: module.training for name, module in network.named_modules() if not isinstance(module, nn.Identity)}
+
+
+def _real_name(name: str) -> str:
+    """``shared@1.weight`` (a second call of ``shared`` in torch's unflattened graph) -> ``shared.weight``."""
+    return ".".join(part.split("@")[0] for part in name.split("."))
+
+
+def _rebind(stage: nn.Module, network: nn.Module, label: str) -> None:
+    """Point every parameter and buffer slot of a traced stage at ``network``'s tensor of the same name."""
+    for store, named, lookup in (
+        ("_parameters", stage.named_parameters, network.get_parameter),
+        ("_buffers", stage.named_buffers, network.get_buffer),
+    ):
+        for name, _ in list(named(remove_duplicate=False)):
+            owner, _, leaf = name.rpartition(".")
+            try:
+                real = lookup(_real_name(name))
+            except AttributeError as error:
+                raise ValueError(
+                    f"{label} reads {store[1:-1]} {_real_name(name)!r}, which the network does not hold. "
+                    "HINT: build only the stages whose blocks this rank kept (see prune_children)."
+                ) from error
+            getattr(stage.get_submodule(owner), store)[leaf] = real
+
+
+def _canonical_names(stage: nn.Module, meta: nn.Module) -> set[str]:
+    """The network-level names (first name of each tensor) of the parameters one traced stage reads."""
+    canonical = {id(p): name for name, p in meta.named_parameters()}
+    return {
+        canonical[id(meta.get_parameter(_real_name(name)))]
+        for name, _ in stage.named_parameters(remove_duplicate=False)
+    }
+
+
+def _flop_costs(stages: Sequence[nn.Module], inputs: tuple[torch.Tensor, ...]) -> list[float]:
+    """Forward + backward FLOPs of each chained stage, run on the meta device (nothing is materialised)."""
+    values = tuple(torch.empty_like(t, device="meta") for t in inputs)
+    costs = []
+    for index, stage in enumerate(stages):
+        values = tuple(v.detach().requires_grad_(index > 0 and v.is_floating_point()) for v in values)
+        with FlopCounterMode(display=False) as counter:
+            out = stage(*values)
+            grads = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if grads:
+                torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
+        costs.append(float(counter.get_total_flops()))
+        values = out if isinstance(out, tuple) else (out,)
+    for param in stages[0].parameters() if stages else []:
+        param.grad = None
+    return costs
+
+
+def _check_boundary(stage: nn.Module, name: str, next_block: str | None) -> None:
+    """Every value a stage hands on must be a tensor of a static shape: ``PipelineStage`` sends only those."""
+    if next_block is None:
+        return
+    for node in _output_nodes(stage):
+        value = node.meta.get("val")
+        where = _where(node.meta.get("stack_trace", ""))
+        if not isinstance(value, torch.Tensor):
+            numeric = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
+            kind = "Python number" if isinstance(value, numeric) else type(value).__name__
+            raise ValueError(
+                f"pipeline tracing: {name}.forward passes a {kind} computed{where} to "
+                f"block {next_block!r} across a stage boundary; stages exchange tensors only. HINT: keep it a "
+                "tensor (no .item()), or split elsewhere."
+            )
+        if any(not isinstance(size, int) for size in value.shape):
+            raise ValueError(
+                f"pipeline tracing: {name}.forward passes a tensor whose shape {tuple(value.shape)} depends on the "
+                f"data{where} to block {next_block!r} across a stage boundary. HINT: keep data-dependent shapes "
+                "(boolean masks, nonzero) inside one block, or split elsewhere."
+            )
+
+
+def _output_nodes(stage: nn.Module) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(stage.graph.output_node().args, found.append)
+    return found
+
+
+def _where(stack_trace: str) -> str:
+    """`` at file.py:12 (code)`` for the innermost frame of a torch stack trace, or ``""``."""
+    matches = _SOURCE.findall(stack_trace)
+    if not matches:
+        return ""
+    path, line, _ = matches[-1]
+    code = linecache.getline(path, int(line)).strip()
+    return f" at {path}:{line}" + (f" ({code})" if code else "")
+
+
+def _explain(name: str, error: Exception) -> str:
+    """One line saying which construct of the forward torch could not trace, where, and what to do."""
+    chain, cause = [], error
+    while cause is not None:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    where = _where("\n".join(str(e) for e in chain))
+    if any(isinstance(e, GuardOnDataDependentSymNode) for e in chain):
+        return (
+            f"pipeline tracing: {name}.forward branches on a tensor value{where}. HINT: make the branch a "
+            "module-level choice (a constructor argument), or wrap the network as an nn.Sequential of blocks."
+        )
+    first = str(chain[-1]).strip().splitlines()[0] if str(chain[-1]).strip() else type(chain[-1]).__name__
+    return (
+        f"pipeline tracing: torch.export cannot trace {name}.forward{where}: {type(chain[-1]).__name__}: {first}. "
+        "HINT: remove that construct from forward, or wrap the network as an nn.Sequential of blocks."
+    )
