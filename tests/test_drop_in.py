@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from user_modules import Classifier, build, fit, loader, sequential_mlp  # noqa: E402
 
 import lightning_parallel  # noqa: E402, F401 - registers the strategies
+from lightning_parallel.pipeline.batchnorm import batchnorm_notice  # noqa: E402
 
 STEPS = 12  # two epochs of 6 batches: a reshuffle between epochs would show
 
@@ -90,3 +91,14 @@ def test_pipeline_refuses_before_launch(module, expected: str) -> None:
     with pytest.raises(ValueError, match="HINT") as raised:
         trainer.fit(module(), train_dataloaders=loader(shuffle=False))
     assert expected in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_batchnorm_under_micro_batches_is_said_once_with_the_way_to_exactness() -> None:
+    network = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    notice = batchnorm_notice(network, microbatches=4, bubble_at_one=0.5, deferred=False)
+    assert notice is not None and "\n" not in notice
+    assert "1 BatchNorm layer(s)" in notice and "4 micro-batches" in notice and "microbatches=1 is exact" in notice
+    assert "bubble 50%" in notice and "deferred_batchnorm=True" in notice
+    assert "deferred_batchnorm" not in batchnorm_notice(network, microbatches=4, bubble_at_one=0.5, deferred=True)
+    assert batchnorm_notice(network, microbatches=1, bubble_at_one=0.5, deferred=False) is None
+    assert batchnorm_notice(sequential_mlp(), microbatches=4, bubble_at_one=0.5, deferred=False) is None

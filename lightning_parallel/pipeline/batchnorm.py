@@ -59,3 +59,16 @@ def commit_batchnorm(layers: list[_BatchNorm]) -> None:
             getattr(bn, _SUM).zero_()
             getattr(bn, _SQUARES).zero_()
             getattr(bn, _COUNT).zero_()
+
+
+def batchnorm_notice(network: nn.Module, *, microbatches: int, bubble_at_one: float, deferred: bool) -> str | None:
+    """The one line to say at start when BatchNorm will train differently from one device, else None."""
+    count = sum(isinstance(m, _BatchNorm) for m in network.modules())
+    if count == 0 or microbatches <= 1:
+        return None
+    hint = "" if deferred else "; deferred_batchnorm=True at least makes the running statistics exact"
+    return (
+        f"{count} BatchNorm layer(s) normalise each of the {microbatches} micro-batches with its own statistics, "
+        f"so training differs from one device (GPipe semantics). HINT: microbatches=1 is exact but leaves no "
+        f"overlap between stages (bubble {bubble_at_one:.0%}){hint}"
+    )

@@ -16,13 +16,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
 from lightning_parallel.dims import ParallelDims
 from lightning_parallel.models.init import materialize
-from lightning_parallel.pipeline.batchnorm import commit_batchnorm, defer_batchnorm
+from lightning_parallel.pipeline.batchnorm import batchnorm_notice, commit_batchnorm, defer_batchnorm
 from lightning_parallel.pipeline.partition import (
     Partition,
     make_partition,
@@ -223,6 +223,14 @@ class PipelineParallelStrategy(MeshStrategy):
             rank_zero_info(
                 f"PipelineParallelStrategy: {self.spec.name}, {self.describe_layout()}\n{self.partition.table()}"
             )
+            notice = batchnorm_notice(
+                network,
+                microbatches=self.microbatches_for(self.dims.pp),
+                bubble_at_one=analytic_bubble("gpipe", pp=self.dims.pp, microbatches=1),
+                deferred=self.deferred_batchnorm,
+            )
+            if notice is not None:
+                rank_zero_warn(notice)
         self.barrier()
         if trainer.state.fn == "fit":
             self.setup_optimizers(trainer)
