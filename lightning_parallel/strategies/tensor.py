@@ -40,7 +40,7 @@ from lightning_parallel.tensor.plans import (
 class TensorParallelStrategy(MeshStrategy):
     """Tensor parallelism (optionally x data parallelism) as a Lightning strategy; devices = dp x tp.
 
-    Contract with the LightningModule: the network is an `nn.Module` at `network_attr`. Its plan is a dict of
+    Contract with the LightningModule: the network is one `nn.Module` attribute (`network_attr`). Its plan is a dict of
     module-name patterns to style names (see `lightning_parallel.tensor.STYLES`). If the LightningModule overrides
     `configure_model()`, that hook runs instead of a plan, with the mesh at `self.device_mesh` (dims "dp", "pp",
     "tp"). With data_parallel_size > 1 the network is wrapped with FSDP2 `fully_shard` over "dp" unless the hook
@@ -54,7 +54,7 @@ class TensorParallelStrategy(MeshStrategy):
             (the network's `tp_plan`, else "auto").
         sequence_parallel: also split norms and the residual stream along the sequence (plans that have
             "sequence_parallel" entries, e.g. GPT's).
-        network_attr: where the LightningModule keeps its network.
+        network_attr: the LightningModule attribute holding the network; None finds the one child with parameters.
         timeout: seconds (or timedelta) a collective may wait before the run fails.
         process_group_backend: None picks gloo on CPU and nccl on GPU.
     """
@@ -68,7 +68,7 @@ class TensorParallelStrategy(MeshStrategy):
         data_parallel_size: int | None = 1,
         plan: Mapping[str, str] | str | None = None,
         sequence_parallel: bool = False,
-        network_attr: str = "model",
+        network_attr: str | None = None,
         timeout: float | timedelta = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
         **kwargs: Any,
