@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_parallel.models import GPT, ResNet, SimpleCNN
-from lightning_parallel.models.init import init_by_name, init_default
+from lightning_parallel.models.init import init_by_name, init_default, materialize
 
 Build = Callable[[], nn.Sequential]
 
@@ -112,3 +112,30 @@ def test_init_default_rejects_module_without_reset_parameters() -> None:
 
     with pytest.raises(RuntimeError, match="Scale.*HINT"):
         init_by_name(nn.Sequential(Scale()), init_default)
+
+
+def test_meta_built_user_network_materialises_with_reset_parameters() -> None:
+    def build() -> nn.Sequential:
+        return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 6 * 6, 10))
+
+    with torch.device("meta"):
+        network = build()
+    materialize(network, torch.device("cpu"))
+    assert not any(t.is_meta for t in [*network.parameters(), *network.buffers()])
+    again = build()
+    materialize_by_name = again.to_empty(device="cpu")
+    init_by_name(materialize_by_name, init_default)
+    for (name, value), (_, expected) in zip(network.state_dict().items(), again.state_dict().items(), strict=True):
+        torch.testing.assert_close(value, expected, rtol=0, atol=0, msg=name)  # the same values on any layout
+
+
+def test_meta_built_network_without_reset_parameters_is_refused() -> None:
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gain = nn.Parameter(torch.ones(3))
+
+    with torch.device("meta"):
+        network = nn.Sequential(nn.Linear(3, 3), Scale())
+    with pytest.raises(RuntimeError, match=r"\['Scale'\] own parameters or buffers and have no reset_parameters"):
+        materialize(network, torch.device("cpu"))

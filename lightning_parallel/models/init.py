@@ -79,16 +79,41 @@ def _seeded_rng(device: torch.device, seed: int) -> Iterator[None]:
 
 
 def materialize(network: nn.Module, device: torch.device) -> None:
-    """Give meta-device parameters real storage and name-keyed initial values; move the rest."""
+    """Give meta-device parameters real storage and name-keyed initial values; move the rest.
+
+    The network's own `init_weights()` decides the values when it has one; otherwise every module's
+    `reset_parameters()` (PyTorch's default initialisation) runs, seeded by its name, so each stage of a split
+    gets the same values on any layout.
+    """
     on_meta = any(t.is_meta for t in [*network.parameters(), *network.buffers()])
     if not on_meta:
         network.to(device)
         return
-    init_weights = getattr(network, "init_weights", None)
-    if not callable(init_weights):
-        raise RuntimeError(
-            f"{type(network).__name__} was built on the meta device but has no init_weights() to initialise "
-            "its stages. HINT: build it outside trainer.init_module(), or give it an init_weights() method"
-        )
+    check_resettable(network)
     network.to_empty(device=device)
-    init_weights()
+    init_weights = getattr(network, "init_weights", None)
+    if callable(init_weights):
+        init_weights()
+    else:
+        init_by_name(network, init_default)
+
+
+def check_resettable(network: nn.Module) -> None:
+    """Before launch: a meta-built network without `init_weights()` needs `reset_parameters()` on every module
+    that owns tensors, or those tensors would stay uninitialised."""
+    if callable(getattr(network, "init_weights", None)):
+        return
+    missing = sorted(
+        {
+            type(module).__name__
+            for module in network.modules()
+            if [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            and not callable(getattr(module, "reset_parameters", None))
+        }
+    )
+    if missing:
+        raise RuntimeError(
+            f"{type(network).__name__} was built on the meta device (trainer.init_module()), but {missing} own "
+            "parameters or buffers and have no reset_parameters() to initialise them. HINT: build the network "
+            "outside trainer.init_module(), or give it an init_weights() method"
+        )
