@@ -76,3 +76,35 @@ def test_load_from_a_wrong_path_is_one_clear_error(tmp_path: Path) -> None:
     _, task, _, _ = build(1, 1, "auto")
     with pytest.raises(FileNotFoundError, match="is not a sharded checkpoint"):
         load_module(task, tmp_path)
+
+
+@pytest.mark.slow
+def test_traced_split_saves_on_two_stages_loads_into_one_process_and_resumes_on_four(tmp_path: Path) -> None:
+    """A network with its own forward (split by tracing) keeps its parameter names in checkpoints."""
+    from traced_checkpoint import fit
+    from user_modules import build as build_user_module
+
+    saved = tmp_path / "checkpoints"
+    first = run_workers(
+        "traced_checkpoint", 2, {"devices": 2, "steps": 6, "resume_from": None, "save_dir": str(saved)}, tmp_path / "a"
+    )
+    ckpt6 = saved / "step=6.ckpt"
+    assert is_sharded_checkpoint(ckpt6)
+    module, losses, _ = fit(1, 12, "auto", None, None)
+    straight = {name: p.detach().clone() for name, p in module.named_parameters()}
+
+    fresh = build_user_module("tutorial_cnn", "criterion")
+    load_module(fresh, ckpt6)
+    whole = dict(fresh.named_parameters())
+    assert merged(first).keys() == whole.keys()
+    for name, value in merged(first).items():
+        torch.testing.assert_close(whole[name], value, rtol=0, atol=0, msg=name)
+
+    second = run_workers(
+        "traced_checkpoint", 4, {"devices": 4, "steps": 12, "resume_from": str(ckpt6), "save_dir": None}, tmp_path / "b"
+    )
+    assert all(result["step"] == 12 for result in second)
+    assert max(abs(a - b) for a, b in zip(second[0]["losses"], losses[6:], strict=True)) < 1e-5
+    assert merged(second).keys() == straight.keys()
+    for name, value in merged(second).items():
+        torch.testing.assert_close(value, straight[name], rtol=0, atol=1e-5, msg=name)

@@ -22,48 +22,75 @@ from lightning_parallel.pipeline.batchnorm import batchnorm_notice  # noqa: E402
 STEPS = 12  # two epochs of 6 batches: a reshuffle between epochs would show
 
 
-def reference(net: str, step: str) -> dict:
-    return fit(build(net, step), strategy="auto", devices=1, steps=STEPS, shuffle=False)
+def reference(net: str, step: str, batch_size: int = 16) -> dict:
+    return fit(build(net, step), strategy="auto", devices=1, steps=STEPS, shuffle=False, batch_size=batch_size)
 
 
-def assert_matches(results: list[dict], ref: dict) -> None:
+def assert_matches(results: list[dict], ref: dict, replicas: int = 1) -> None:
+    """Every rank's losses (averaged over data-parallel replicas) and the union of their weights match."""
     for result in results:
         assert "error" not in result, result
         assert len(result["losses"]) == STEPS
-        assert max(abs(a - b) for a, b in zip(result["losses"], ref["losses"], strict=True)) < 1e-5
+    losses = torch.tensor([result["losses"] for result in results]).reshape(replicas, -1, STEPS).mean(0)
+    assert (losses - torch.tensor(ref["losses"])).abs().max() < 1e-5, (losses, ref["losses"])
     merged = {name: value for result in results for name, value in result["state"].items()}
     assert merged.keys() == ref["state"].keys()
     for name, value in ref["state"].items():
         torch.testing.assert_close(merged[name], value, rtol=0, atol=1e-5, msg=name)
 
 
+def run(name: str, net: str, *, step: str = "criterion", devices: int = 2, **kwargs: object) -> dict:
+    config = {"strategy": name, "devices": devices, "steps": STEPS, "net": net, "step": step}
+    batch_size = kwargs.pop("batch_size", None)
+    return {**config, "kwargs": kwargs, **({"batch_size": batch_size} if batch_size else {})}
+
+
 @pytest.mark.slow
 def test_user_modules_match_one_device_or_stop_with_one_line(tmp_path: Path) -> None:
-    pipeline = {"strategy": "pipeline", "devices": 2, "steps": STEPS, "net": "sequential_mlp"}
     configs = [
-        {**pipeline, "step": "criterion"},
-        {**pipeline, "step": "functional_with_metrics"},
-        {**pipeline, "step": "scaled"},
-        {**pipeline, "step": "criterion", "strategy": "tensor_parallel"},
-        {**pipeline, "step": "l2"},
-        {**pipeline, "step": "two_forwards"},
+        run("pipeline", "sequential_mlp"),
+        run("pipeline", "sequential_mlp", step="functional_with_metrics"),
+        run("pipeline", "sequential_mlp", step="scaled"),
+        run("tensor_parallel", "sequential_mlp"),
+        # Networks with their own forward, split by tracing; 20-sample batches end in an uneven last batch
+        run("pipeline", "tutorial_cnn", batch_size=20),
+        run("pipeline", "tutorial_cnn", schedule="zbv"),
+        run("pipeline", "four_linear_mlp", step="functional_with_metrics"),
+        run("tensor_parallel", "tutorial_cnn"),
+        run("tensor_parallel", "four_linear_mlp"),
+        # Refused: the same line on every rank, before the optimizer step
+        run("pipeline", "sequential_mlp", step="l2"),
+        run("pipeline", "sequential_mlp", step="two_forwards"),
     ]
     ranks = run_workers("drop_in", 2, configs, tmp_path)
     runs = list(zip(*ranks, strict=True))  # per config: one result per rank
-    for index in range(4):
-        assert_matches(list(runs[index]), reference("sequential_mlp", configs[index]["step"]))
+    for config, results in zip(configs[:-2], runs, strict=False):
+        assert_matches(list(results), reference(config["net"], config["step"], config.get("batch_size", 16)))
     # Metrics updated inside training_step: the logged training accuracy and loss agree with one device.
     ref = reference("sequential_mlp", "functional_with_metrics")
     for result in runs[1]:
         for key in ("train_acc_epoch", "train_loss", "train_acc_step"):
             assert abs(result["metrics"][key] - ref["metrics"][key]) < 1e-5, (key, result["metrics"], ref["metrics"])
-    for index, expected in [
-        (4, "computes with the parameter `model.3.weight` directly"),
-        (5, "calls the network twice"),
-    ]:
+    refusals = {-2: "computes with the parameter `model.3.weight` directly", -1: "calls the network twice"}
+    for index, expected in refusals.items():
         for result in runs[index]:
             assert "error" in result and expected in result["error"], result
             assert "HINT:" in result["error"] and "\n" not in result["error"]
+
+
+@pytest.mark.slow
+def test_traced_networks_at_four_stages_and_data_times_pipeline(tmp_path: Path) -> None:
+    configs = [
+        run("pipeline", "four_linear_mlp", devices=4),
+        run("pipeline", "tutorial_cnn", devices=4, schedule="gpipe"),
+        run("pipeline", "tutorial_cnn", devices=4, data_parallel_size=2, batch_size=8),
+    ]
+    ranks = run_workers("drop_in", 4, configs, tmp_path)
+    runs = list(zip(*ranks, strict=True))
+    assert_matches(list(runs[0]), reference("four_linear_mlp", "criterion"))
+    assert_matches(list(runs[1]), reference("tutorial_cnn", "criterion"))
+    # dp 2 x pp 2, 8 samples per replica: one device sees the same 16-sample global batches
+    assert_matches(list(runs[2]), reference("tutorial_cnn", "criterion"), replicas=2)
 
 
 class TwoNetworks(Classifier):

@@ -121,7 +121,10 @@ BAD = {
         ["trainer.devices=2", "strategy.schedule=zbv", "strategy.stages_per_rank=3"],
         "exactly 2 stages per rank",
     ),
-    "network attribute missing": (["trainer.devices=2", "strategy.network_attr=net"], "nn.Sequential"),
+    "network attribute missing": (
+        ["trainer.devices=2", "strategy.network_attr=net"],
+        "at `ClassificationTask.net`; found nothing",
+    ),
 }
 
 

@@ -23,6 +23,45 @@ def sequential_mlp() -> nn.Sequential:
     )
 
 
+class TutorialCNN(nn.Module):
+    """The classic tutorial CNN (conv-relu-pool twice, view, three Linear), sized for 1x8x8 digits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 6, 3, padding=1)
+        self.pool = nn.MaxPool2d(2, 2)
+        self.conv2 = nn.Conv2d(6, 16, 3, padding=1)
+        self.fc1 = nn.Linear(16 * 2 * 2, 32)
+        self.fc2 = nn.Linear(32, 16)
+        self.fc3 = nn.Linear(16, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(F.relu(self.conv1(x)))
+        x = self.pool(F.relu(self.conv2(x)))
+        x = x.view(x.size(0), -1)
+        x = F.relu(self.fc1(x))
+        x = F.relu(self.fc2(x))
+        return self.fc3(x)
+
+
+class FourLinearMLP(nn.Module):
+    """The four-Linear MLP of the multi-GPU tutorials, with its own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(64, 48)
+        self.fc2 = nn.Linear(48, 32)
+        self.fc3 = nn.Linear(32, 32)
+        self.fc4 = nn.Linear(32, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.flatten(x, 1)
+        x = F.relu(self.fc1(x))
+        x = F.relu(self.fc2(x))
+        x = F.relu(self.fc3(x))
+        return self.fc4(x)
+
+
 class Classifier(pl.LightningModule):
     """A plain classifier; `step` picks how training_step computes its loss."""
 
@@ -77,7 +116,9 @@ def loader(*, shuffle: bool, batch_size: int = 16, seed: int = 0) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle)
 
 
-def fit(module: pl.LightningModule, *, strategy: Any, devices: int, steps: int, shuffle: bool) -> dict[str, Any]:
+def fit(
+    module: pl.LightningModule, *, strategy: Any, devices: int, steps: int, shuffle: bool, batch_size: int = 16
+) -> dict[str, Any]:
     """Fit with the user's defaults (use_distributed_sampler=True); losses, logged metrics, local weights."""
     pl.seed_everything(0, verbose=False)
     losses = Loss()
@@ -92,7 +133,7 @@ def fit(module: pl.LightningModule, *, strategy: Any, devices: int, steps: int, 
         enable_model_summary=False,
         callbacks=[losses],
     )
-    trainer.fit(module, train_dataloaders=loader(shuffle=shuffle))
+    trainer.fit(module, train_dataloaders=loader(shuffle=shuffle, batch_size=batch_size))
     # DTensors gathered whole (a collective, and every rank gets here)
     state = {name: _whole(p).detach().cpu().clone() for name, p in module.named_parameters()}
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -107,7 +148,12 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 
 def build(net: str, step: str) -> Classifier:
     torch.manual_seed(0)
-    networks = {"sequential_mlp": sequential_mlp, "tied_sequential": tied_sequential}
+    networks = {
+        "sequential_mlp": sequential_mlp,
+        "tied_sequential": tied_sequential,
+        "tutorial_cnn": TutorialCNN,
+        "four_linear_mlp": FourLinearMLP,
+    }
     return Classifier(networks[net](), step=step)
 
 

@@ -290,6 +290,21 @@ def make_partition(
         The partition, with per-stage costs in parameters or seconds.
     """
     names = _check_sequential(model)
+    costs, unit = _block_costs(model, balance, block_costs)
+    return plan_partition(names, costs, unit, pp=pp, stages_per_rank=stages_per_rank, style=style, balance=balance)
+
+
+def plan_partition(
+    names: Sequence[str],
+    costs: Sequence[float],
+    cost_unit: str,
+    *,
+    pp: int,
+    stages_per_rank: int = 1,
+    style: str = "loop",
+    balance: str | Sequence[Sequence[str]] = "parameters",
+) -> Partition:
+    """The partition of blocks with known costs: balanced by those costs, or the explicit split `balance`."""
     if pp < 1 or stages_per_rank < 1:
         raise ValueError(
             f"pp({pp}) and stages_per_rank({stages_per_rank}) must both be >= 1. HINT: use pp=1 for no pipeline."
@@ -298,7 +313,6 @@ def make_partition(
         raise ValueError(f"unknown pipeline style {style!r}. HINT: use one of {list(_STYLES)}.")
     num_stages = pp * stages_per_rank
     stage_to_rank = loop_stage_to_rank(num_stages, pp) if style == "loop" else v_stage_to_rank(num_stages, pp)
-    costs, unit = _block_costs(model, balance, block_costs)
     if isinstance(balance, str):
         split = split_by_cost(names, costs, num_stages)
     else:
@@ -313,7 +327,7 @@ def make_partition(
         stages=tuple(tuple(stage) for stage in split),
         stage_to_rank=tuple(stage_to_rank),
         costs=tuple(sum(cost_of[name] for name in stage) for stage in split),
-        cost_unit=unit,
+        cost_unit=cost_unit,
     )
 
 

@@ -28,6 +28,8 @@ from lightning_parallel.pipeline.schedule_plan import resolve_schedule
 from lightning_parallel.pipeline.timing import StageTimer
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# One micro-batch of the network's inputs -> this rank's stage modules for that shape (traced networks).
+StageFactory = Callable[[tuple[torch.Tensor, ...]], dict[int, nn.Module]]
 
 
 # Schedules that accept any micro-batch count, per stage layout: the fallback for awkward batch sizes.
@@ -52,6 +54,16 @@ def placeholder_loss(output: object) -> torch.Tensor:
     tensors = [t for t in (output if isinstance(output, (list, tuple)) else [output]) if isinstance(t, torch.Tensor)]
     floating = [t for t in tensors if t.is_floating_point()]
     return sum((t * 0).sum() for t in floating) if floating else torch.zeros(())  # type: ignore[return-value]
+
+
+def clone_view_outputs(module: nn.Module, args: object, output: object) -> object:
+    """Forward hook: torch's split backward (zero-bubble schedules, DualPipeV) detaches stage outputs in place,
+    which a view such as `x.view(x.size(0), -1)` does not allow; such an output leaves the stage as a copy."""
+    if isinstance(output, torch.Tensor):
+        return output.clone() if output._is_view() else output
+    if isinstance(output, tuple):
+        return tuple(t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t for t in output)
+    return output
 
 
 def take_gradients(params: Sequence[nn.Parameter]) -> list[torch.Tensor | None]:
@@ -125,6 +137,8 @@ class PipelineRuntime:
         group: the pipeline process group.
         device: where this rank's stages run.
         loss_fn: per micro-batch loss `(output, target) -> scalar mean`, called on the last stage.
+        stage_factory: for networks traced per shape, builds the stage modules for a micro-batch's inputs;
+            `stage_modules` are then the ones built for the first example.
     """
 
     def __init__(
@@ -137,8 +151,10 @@ class PipelineRuntime:
         group: dist.ProcessGroup,
         device: torch.device,
         loss_fn: LossFn,
+        stage_factory: StageFactory | None = None,
     ) -> None:
         self.stage_modules = dict(sorted(stage_modules.items()))
+        self.stage_factory = stage_factory
         self.num_stages = num_stages
         self.schedule_name = schedule
         self.microbatches = microbatches
@@ -153,6 +169,7 @@ class PipelineRuntime:
         self.has_last = num_stages - 1 in self.stage_modules
         self._schedules: dict[tuple, object] = {}
         self._inferring = [False]
+        self._hooked: set[int] = set()
         self.microbatches_used: dict[tuple, tuple[str, int]] = {}
         # Fallback schedules (ANY_COUNT) split the backward only when the configured one does too.
         self.timer = StageTimer(self.stage_modules, backward=not spec.splits_backward)
@@ -186,9 +203,10 @@ class PipelineRuntime:
         if key not in self._schedules:
             name, count = self._plan(inputs[0].shape[0])
             spec = resolve_schedule(name, pp=self.pp, microbatches=count, stages_per_rank=self.stages_per_rank)
+            modules = self._modules_for(inputs, count)
             stages = [
                 PipelineStage(module, index, self.num_stages, self.device, group=self.group)
-                for index, module in self.stage_modules.items()
+                for index, module in modules.items()
             ]
             loss_fn = self._loss if training else None
             if issubclass(spec.torch_class, PipelineScheduleSingle):
@@ -197,10 +215,23 @@ class PipelineRuntime:
                 schedule = spec.torch_class(stages, n_microbatches=count, loss_fn=loss_fn)
             if not training:
                 drop_backward_actions(schedule)
-            guard_metadata_inference(schedule, list(self.stage_modules.values()), self._inferring)
+            guard_metadata_inference(schedule, list(modules.values()), self._inferring)
             self._schedules[key] = schedule
             self.microbatches_used[key] = (name, count)
         return self._schedules[key]
+
+    def _modules_for(self, inputs: tuple[torch.Tensor, ...], count: int) -> dict[int, nn.Module]:
+        if self.stage_factory is None:
+            modules = self.stage_modules
+        else:
+            micro = tuple(t[: t.shape[0] // count] for t in inputs)  # every micro-batch has this shape
+            modules = dict(sorted(self.stage_factory(micro).items()))
+            self.timer.watch(modules)
+        for module in modules.values():
+            if id(module) not in self._hooked:
+                self._hooked.add(id(module))
+                module.register_forward_hook(clone_view_outputs)
+        return modules
 
     def train_step(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of one batch; gradients land in `.grad`. Returns the mean loss on the

@@ -32,10 +32,19 @@ class StageTimer:
         self._open: dict[tuple[str, int], float] = {}
         self._counts: Counter[tuple[str, int]] = Counter()
         self._step_start = 0.0
+        self._backward = backward
+        self._watched: set[int] = set()
+        self.watch(stage_modules)
+
+    def watch(self, stage_modules: dict[int, nn.Module]) -> None:
+        """Time these stage modules too (traced networks get new stage modules per micro-batch shape)."""
         for index, module in stage_modules.items():
+            if id(module) in self._watched:
+                continue
+            self._watched.add(id(module))
             module.register_forward_pre_hook(lambda *_, i=index: self._start("F", i))
             module.register_forward_hook(lambda *_, i=index: self._end("F", i))
-            if backward:
+            if self._backward:
                 self._time_backward(index, module)
 
     def _time_backward(self, index: int, module: nn.Module) -> None:

@@ -67,7 +67,10 @@ class _ValidatingLauncher(_SubprocessScriptLauncher):
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if trainer is not None and trainer.lightning_module is not None:
-            self._strategy.validate(trainer.lightning_module)
+            # fit/validate/test/predict(model, dataloaders, ...): a loader given directly offers a first batch
+            loaders = [a for a in args if isinstance(a, DataLoader)]
+            batch = next(iter(loaders[0])) if loaders else None
+            self._strategy.validate(trainer.lightning_module, batch=batch)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
@@ -106,8 +109,24 @@ class MeshStrategy(ParallelStrategy):
     def resolve_dims(self, world_size: int) -> ParallelDims:
         """How this strategy splits `world_size` processes; raises ValueError with a fix."""
 
-    def validate(self, module: pl.LightningModule) -> None:
-        """Check the LightningModule before any process is launched (subclasses extend)."""
+    def validate(self, module: pl.LightningModule, *, batch: Any = None) -> None:
+        """Check the LightningModule before any process is launched (subclasses extend); `batch` is a first
+        batch when the data came as a DataLoader."""
+
+    def first_batch(self, trainer: pl.Trainer) -> Any:
+        """The first batch of the dataloader the running trainer function uses (fit: training)."""
+        loop = {
+            "fit": trainer.fit_loop,
+            "validate": trainer.validate_loop,
+            "test": trainer.test_loop,
+            "predict": trainer.predict_loop,
+        }[trainer.state.fn.value]
+        loaders = loop._data_source.dataloader()
+        if isinstance(loaders, (list, tuple)):
+            loaders = loaders[0]
+        elif isinstance(loaders, dict):
+            loaders = next(iter(loaders.values()))
+        return next(iter(loaders))
 
     def find_network(self, module: pl.LightningModule, required: type[nn.Module], need: str) -> Any:
         """The network: `module.<network_attr>`, or with no attribute named, the one child module holding

@@ -23,16 +23,11 @@ from typing_extensions import override
 from lightning_parallel.dims import ParallelDims
 from lightning_parallel.models.init import materialize
 from lightning_parallel.pipeline.batchnorm import batchnorm_notice, commit_batchnorm, defer_batchnorm
-from lightning_parallel.pipeline.partition import (
-    Partition,
-    make_partition,
-    prune_to_blocks,
-    shared_across_ranks,
-    stage_module,
-)
+from lightning_parallel.pipeline.partition import Partition
 from lightning_parallel.pipeline.profile import measure_block_costs
 from lightning_parallel.pipeline.runtime import PipelineRuntime, put_gradients, take_gradients
 from lightning_parallel.pipeline.schedule_plan import ScheduleSpec, analytic_bubble, resolve_schedule
+from lightning_parallel.pipeline.split import NetworkSplit, network_split
 from lightning_parallel.precision import agree_on_overflow, clip_grad_norm_global
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
 from lightning_parallel.strategies.user_step import (
@@ -55,7 +50,8 @@ class PipelineParallelStrategy(MeshStrategy):
         schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zero_bubble, zbv, dualpipev.
         stages_per_rank: virtual stages per rank for multi-stage schedules (default 2 for them, else 1).
         data_parallel_size: replicas; devices = data_parallel_size x pipeline stages.
-        balance: "parameters" (default), "time" (measure each block), or explicit block names per stage.
+        balance: "flops" (estimated compute; the default for traced networks), "parameters" (the default for an
+            nn.Sequential), "time" (measure each block of an nn.Sequential), or explicit block names per stage.
         deferred_batchnorm: update BatchNorm running statistics once per mini-batch from all its
             micro-batches (as one process would); normalisation always uses micro-batch statistics.
         network_attr: the LightningModule's attribute holding the network; None finds the one child with
@@ -72,7 +68,7 @@ class PipelineParallelStrategy(MeshStrategy):
         schedule: str = "1f1b",
         stages_per_rank: int | None = None,
         data_parallel_size: int = 1,
-        balance: str | Sequence[Sequence[str]] = "parameters",
+        balance: str | Sequence[Sequence[str]] | None = None,
         deferred_batchnorm: bool = False,
         network_attr: str | None = None,
         timeout: float | timedelta = DEFAULT_TIMEOUT,
@@ -84,8 +80,8 @@ class PipelineParallelStrategy(MeshStrategy):
             raise ValueError(f"microbatches={microbatches} must be at least 1. HINT: microbatches=4")
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size={data_parallel_size} must be at least 1")
-        if isinstance(balance, str) and balance not in ("parameters", "time"):
-            raise ValueError(f"balance={balance!r} is unknown. HINT: parameters, time, or block names per stage")
+        if isinstance(balance, str) and balance not in ("flops", "parameters", "time"):
+            raise ValueError(f"balance={balance!r} is unknown. HINT: flops, parameters, time, or block names per stage")
         self.schedule = schedule
         self._microbatches = microbatches
         self._stages_per_rank = stages_per_rank
@@ -99,6 +95,8 @@ class PipelineParallelStrategy(MeshStrategy):
         self._step_kwargs: dict[str, Any] = {}
         self._spec: ScheduleSpec | None = None
         self._partition: Partition | None = None
+        self._split: NetworkSplit | None = None
+        self._example: tuple[torch.Tensor, ...] | None = None
         self._runtime: PipelineRuntime | None = None
         self._fresh_grads: list[torch.Tensor | None] | None = None
         self._local_params: list[nn.Parameter] | None = None
@@ -131,7 +129,7 @@ class PipelineParallelStrategy(MeshStrategy):
         return self._partition
 
     @override
-    def validate(self, module: pl.LightningModule) -> None:
+    def validate(self, module: pl.LightningModule, *, batch: Any = None) -> None:
         network = self.network_of(module)
         if self._runtime is not None:
             return  # already split (e.g. trainer.validate after fit): the pruned network would mislead
@@ -141,29 +139,50 @@ class PipelineParallelStrategy(MeshStrategy):
                 "backward together in its schedule inside training_step. HINT: use automatic optimization, or "
                 "strategy='ddp' / 'tensor'"
             )
-        # Checks the split is possible (enough blocks, a valid explicit split); a time-balanced split is
-        # measured later, in setup, where a sample batch exists.
-        balance = "parameters" if self.balance == "time" else self.balance
-        partition = make_partition(
-            network, pp=self.dims.pp, stages_per_rank=self.spec.stages_per_rank, style=self.spec.style, balance=balance
-        )
-        refuse_tied_parameters(network, partition)
+        example = self._example_inputs(module, batch, "training_step")
+        if example is None and not isinstance(network, nn.Sequential):
+            return  # traced in setup, where the data module's first batch exists
+        # Checks the split is possible (it traces, enough blocks, a valid explicit split, nothing tied across
+        # ranks); a time-balanced split is measured later, in setup, where a sample batch exists.
+        self._plan_split(network_split(network, example), None)
 
-    def network_of(self, module: pl.LightningModule) -> nn.Sequential:
-        return self.find_network(
-            module, nn.Sequential, "pipeline parallelism needs the network as an nn.Sequential of named blocks"
-        )
+    def network_of(self, module: pl.LightningModule) -> nn.Module:
+        return self.find_network(module, nn.Module, "pipeline parallelism needs the network as an nn.Module")
 
-    def make_partition(self, network: nn.Sequential, trainer: pl.Trainer) -> Partition:
-        costs = self._measured_costs(network, trainer) if self.balance == "time" else None
-        return make_partition(
-            network,
+    def _example_inputs(self, module: pl.LightningModule, batch: Any, step: str) -> tuple[torch.Tensor, ...] | None:
+        """What the network receives: from `example_input_array` through forward, else from `batch` through
+        the user's own step (stopped at the network call)."""
+        network = self.network_of(module)
+        example = getattr(module, "example_input_array", None)
+        if example is not None:
+            args = example if isinstance(example, tuple) else (example,)
+            return capture_network_inputs(lambda: module(*args), network, module)
+        if batch is None:
+            return None
+        return capture_network_inputs(lambda: getattr(module, step)(batch, 0), network, module)
+
+    def _plan_split(self, split: NetworkSplit, block_costs: list[float] | None) -> Partition:
+        balance = self.balance
+        if balance is None:  # FLOPs need a trace; a Sequential's children are split by parameters, as before
+            balance = "parameters" if isinstance(split.network, nn.Sequential) else "flops"
+        elif balance == "time" and block_costs is None:
+            balance = "parameters"  # before launch: only checks that a split exists; setup measures the times
+        partition = split.partition(
             pp=self.dims.pp,
             stages_per_rank=self.spec.stages_per_rank,
             style=self.spec.style,
-            balance=self.balance,
-            block_costs=costs,
+            balance=balance,
+            block_costs=block_costs,
         )
+        tied = split.tied_across_ranks(partition)
+        if tied:
+            names = "; ".join(" = ".join(group) for group in tied)
+            raise ValueError(
+                f"tied parameters across pipeline ranks ({names}): each rank would train its own copy and they "
+                "would drift apart. HINT: put the blocks that share them on one stage (balance=[[...], [...]]), "
+                "or untie them"
+            )
+        return partition
 
     def _measured_costs(self, network: nn.Sequential, trainer: pl.Trainer) -> list[float]:
         """Rank 0 times every block on one micro-batch; every rank uses its numbers, so splits agree."""
@@ -205,9 +224,13 @@ class PipelineParallelStrategy(MeshStrategy):
         network = self.network_of(module)
         pp_rank = self.device_mesh.get_local_rank("pp")
         if self._runtime is None:  # first set-up of this model: split it (later fit/validate calls reuse it)
-            self._partition = self.make_partition(network, trainer)
-            refuse_tied_parameters(network, self.partition)
-            prune_to_blocks(network, self.partition.blocks_of(pp_rank))
+            step = {"fit": "training_step", "validate": "validation_step", "test": "test_step"}
+            batch = self.first_batch(trainer) if not isinstance(network, nn.Sequential) else None
+            self._example = self._example_inputs(module, batch, step.get(trainer.state.fn.value, "predict_step"))
+            self._split = network_split(network, self._example)
+            costs = self._measured_costs(network, trainer) if self.balance == "time" else None
+            self._partition = self._plan_split(self._split, costs)
+            self._split.prune(self.partition.blocks_of(pp_rank))
             materialize(network, self.root_device)
             if self.deferred_batchnorm:
                 self._batchnorms = defer_batchnorm(network)
@@ -215,7 +238,7 @@ class PipelineParallelStrategy(MeshStrategy):
         self.model_to_device()
         if self._runtime is None:
             self._micro_steps = MicroSteps(module, network, self._user_step)
-            self._runtime = self._build_runtime(module, network, pp_rank)
+            self._runtime = self._build_runtime(pp_rank)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         if self._scaler is not None:
             agree_on_overflow(self._scaler)
@@ -236,10 +259,14 @@ class PipelineParallelStrategy(MeshStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
-    def _build_runtime(self, module: pl.LightningModule, network: nn.Sequential, pp_rank: int) -> PipelineRuntime:
-        partition = self.partition
+    def _build_runtime(self, pp_rank: int) -> PipelineRuntime:
+        partition, split = self.partition, self._split
+        assert split is not None
+        example = self._example or ()
+        micro = tuple(t[: max(1, len(t) // self.microbatches_for(self.dims.pp))].to(self.root_device) for t in example)
         return PipelineRuntime(
-            stage_modules={i: stage_module(network, partition.stages[i]) for i in partition.stages_of(pp_rank)},
+            stage_modules=split.stage_modules(partition, pp_rank, micro),
+            stage_factory=split.stage_factory(partition, pp_rank),
             num_stages=len(partition.stages),
             schedule=self.spec.name,
             microbatches=self.microbatches_for(self.dims.pp),
@@ -429,14 +456,3 @@ class PipelineParallelStrategy(MeshStrategy):
             "imbalance": partition.imbalance,
             "cost_unit": partition.cost_unit,
         }
-
-
-def refuse_tied_parameters(network: nn.Module, partition: Partition) -> None:
-    """One line naming the parameters shared by blocks on different ranks, before anything is launched."""
-    shared = shared_across_ranks(network, partition)
-    if shared:
-        tied = "; ".join(" = ".join(names) for names in shared.values())
-        raise ValueError(
-            f"tied parameters across pipeline ranks ({tied}): each rank would train its own copy and they would "
-            "drift apart. HINT: put the blocks that share them on one stage (balance=[[...], [...]]), or untie them"
-        )

@@ -96,7 +96,7 @@ class TensorParallelStrategy(MeshStrategy):
         return ParallelDims.resolve(world_size, dp=self.data_parallel_size, pp=1, tp=self.tensor_parallel_size)
 
     @override
-    def validate(self, module: pl.LightningModule) -> None:
+    def validate(self, module: pl.LightningModule, *, batch: Any = None) -> None:
         network = self.network_of(module)
         if self._description is None and not is_overridden("configure_model", module):
             self.resolve_plan(network)

@@ -4,6 +4,7 @@ run's losses, logged metrics and local weights, or the error it stopped with."""
 from __future__ import annotations
 
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -23,8 +24,10 @@ for config in configs:
     if config.get("kwargs"):
         strategy = StrategyRegistry[strategy]["strategy"](**config["kwargs"])
     try:
-        results.append(fit(module, strategy=strategy, devices=config["devices"], steps=config["steps"], shuffle=False))
+        run = {"devices": config["devices"], "steps": config["steps"], "batch_size": config.get("batch_size", 16)}
+        results.append(fit(module, strategy=strategy, shuffle=False, **run))
     except Exception as error:  # a refused step raises the same line on every rank
+        traceback.print_exc()
         results.append({"error": f"{type(error).__name__}: {error}"})
 torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")
 torch.distributed.barrier()

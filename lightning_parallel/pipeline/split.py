@@ -1,0 +1,124 @@
+"""How a network becomes one rank's pipeline stages: an ``nn.Sequential`` by its children, any other module by
+torch's tracing frontend (``traced.py``). Both keep the original parameter names and prune in place.
+
+One interface for the strategy: blocks and their costs, the partition, tied-parameter refusal, pruning, and
+stage modules (fixed for a Sequential, per micro-batch shape for a traced network). No process groups here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from lightning_parallel.pipeline.partition import (
+    Partition,
+    make_partition,
+    plan_partition,
+    prune_to_blocks,
+    shared_across_ranks,
+    stage_module,
+)
+from lightning_parallel.pipeline.runtime import StageFactory
+from lightning_parallel.pipeline.traced import TracedNetwork, prune_children
+
+Balance = str | Sequence[Sequence[str]]
+
+
+class NetworkSplit:
+    """An ``nn.Sequential`` of named blocks: the children are the blocks, costs are parameters (or measured
+    seconds), and a stage is a Sequential over the shared block objects."""
+
+    def __init__(self, network: nn.Module) -> None:
+        self.network = network
+
+    @property
+    def blocks(self) -> list[str]:
+        return [name for name, _ in self.network.named_children()]
+
+    def partition(
+        self, *, pp: int, stages_per_rank: int, style: str, balance: Balance, block_costs: Sequence[float] | None
+    ) -> Partition:
+        if balance == "flops":
+            raise ValueError(
+                "balance='flops' counts the compute of a traced network; an nn.Sequential is split by its children. "
+                "HINT: use balance='parameters' or 'time' for it"
+            )
+        return make_partition(
+            self.network,  # type: ignore[arg-type]
+            pp=pp,
+            stages_per_rank=stages_per_rank,
+            style=style,
+            balance=balance,
+            block_costs=block_costs,
+        )
+
+    def tied_across_ranks(self, partition: Partition) -> list[list[str]]:
+        return list(shared_across_ranks(self.network, partition).values())
+
+    def prune(self, keep: Sequence[str]) -> None:
+        prune_to_blocks(self.network, keep)  # type: ignore[arg-type]
+
+    def stage_modules(self, partition: Partition, rank: int, example: tuple[torch.Tensor, ...]) -> dict[int, nn.Module]:
+        return {i: stage_module(self.network, partition.stages[i]) for i in partition.stages_of(rank)}  # type: ignore[arg-type]
+
+    def stage_factory(self, partition: Partition, rank: int) -> StageFactory | None:
+        return None
+
+
+class TracedSplit(NetworkSplit):
+    """Any other module: the blocks are the submodules its forward calls once, costs are FLOPs by default, and
+    stages are traced per micro-batch shape (a trace bakes the batch size in)."""
+
+    def __init__(self, network: nn.Module, example: tuple[torch.Tensor, ...]) -> None:
+        super().__init__(network)
+        self.traced = TracedNetwork(network, example)
+
+    @property
+    def blocks(self) -> list[str]:
+        return list(self.traced.blocks)
+
+    def partition(
+        self, *, pp: int, stages_per_rank: int, style: str, balance: Balance, block_costs: Sequence[float] | None
+    ) -> Partition:
+        if balance == "time":
+            raise ValueError(
+                f"balance='time' times the children of an nn.Sequential; {type(self.network).__name__} is split by "
+                "tracing. HINT: use balance='flops' (the default) or 'parameters', or name the blocks per stage"
+            )
+        if balance == "parameters":
+            costs = [float(sum(p.numel() for p in self.network.get_submodule(b).parameters())) for b in self.blocks]
+            unit = "parameters"
+        else:
+            costs, unit = [float(c) for c in self.traced.costs], "FLOPs"
+        return plan_partition(
+            self.blocks, costs, unit, pp=pp, stages_per_rank=stages_per_rank, style=style, balance=balance
+        )
+
+    def tied_across_ranks(self, partition: Partition) -> list[list[str]]:
+        rank_of = {name: partition.stage_to_rank[i] for i, stage in enumerate(partition.stages) for name in stage}
+        tied = self.traced.tied_parameters()
+        return [[name, *blocks] for name, blocks in tied.items() if len({rank_of[b] for b in blocks}) > 1]
+
+    def prune(self, keep: Sequence[str]) -> None:
+        prune_children(self.network, keep, self.blocks)
+
+    def stage_modules(self, partition: Partition, rank: int, example: tuple[torch.Tensor, ...]) -> dict[int, nn.Module]:
+        stages = [list(stage) for stage in partition.stages]
+        return self.traced.stage_modules(stages, partition.stages_of(rank), example, self.network)
+
+    def stage_factory(self, partition: Partition, rank: int) -> StageFactory | None:
+        return lambda micro: self.stage_modules(partition, rank, micro)
+
+
+def network_split(network: nn.Module, example: tuple[torch.Tensor, ...] | None) -> NetworkSplit:
+    """The split for this network; a non-Sequential network needs an example of its inputs to be traced."""
+    if isinstance(network, nn.Sequential):
+        return NetworkSplit(network)
+    if example is None:
+        raise ValueError(
+            f"{type(network).__name__} is not an nn.Sequential, so it is split by tracing, which needs an example "
+            "input. HINT: set `self.example_input_array` on the LightningModule, or pass a DataLoader or datamodule"
+        )
+    return TracedSplit(network, example)
