@@ -33,6 +33,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader, has_iterable_dataset
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
@@ -68,9 +69,12 @@ class _ValidatingLauncher(_SubprocessScriptLauncher):
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if trainer is not None and trainer.lightning_module is not None:
             # fit/validate/test/predict(model, dataloaders, ...): a loader given directly offers a first batch
+            module = trainer.lightning_module
             loaders = [a for a in args if isinstance(a, DataLoader)]
-            batch = next(iter(loaders[0])) if loaders else None
-            self._strategy.validate(trainer.lightning_module, batch=batch)
+            if not loaders and trainer.state.fn == "fit" and is_overridden("train_dataloader", module):
+                loaders = [module.train_dataloader()]  # the module's own loader hook (BoringModel's style)
+            batch = next(iter(loaders[0])) if loaders and isinstance(loaders[0], DataLoader) else None
+            self._strategy.validate(module, batch=batch)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 

@@ -85,7 +85,10 @@ def auto_plan(model: nn.Module, *, tensor_parallel_size: int) -> AutoPlan:
         if name not in plan and name not in replicated and any(True for _ in module.parameters(recurse=False)):
             replicated[name] = _unpaired_reason(module)
     if not plan:
-        reasons = "; ".join(f"{name}: {why}" for name, why in replicated.items()) or "it has no Linear layers"
+        reasons = (
+            "; ".join(f"{name or 'the network itself'}: {why}" for name, why in replicated.items())
+            or "it has no Linear layers"
+        )
         raise ValueError(
             f"automatic tensor plan found nothing to shard in {type(model).__name__} at tensor_parallel_size {tp} "
             f"({reasons}). HINT: pass plan={{'<module pattern>': '<style>'}} with styles from "
