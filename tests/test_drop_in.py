@@ -129,3 +129,11 @@ def test_batchnorm_under_micro_batches_is_said_once_with_the_way_to_exactness() 
     assert "deferred_batchnorm" not in batchnorm_notice(network, microbatches=4, bubble_at_one=0.5, deferred=True)
     assert batchnorm_notice(network, microbatches=1, bubble_at_one=0.5, deferred=False) is None
     assert batchnorm_notice(sequential_mlp(), microbatches=4, bubble_at_one=0.5, deferred=False) is None
+
+
+def test_metrics_built_on_the_meta_device_are_refused_before_launch() -> None:
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="pipeline", max_steps=1, logger=False)
+    with trainer.init_module():
+        module = build("sequential_mlp", "criterion")
+    with pytest.raises(ValueError, match=r"train_acc \(MulticlassAccuracy\) of Classifier are on the meta device"):
+        trainer.fit(module, train_dataloaders=loader(shuffle=False))

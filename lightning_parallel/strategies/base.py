@@ -156,6 +156,25 @@ class MeshStrategy(ParallelStrategy):
             )
         return network
 
+    def refuse_meta_outside(self, module: pl.LightningModule, network: nn.Module) -> None:
+        """The strategy materialises only the network; anything else built under trainer.init_module() (a
+        metric's states, a loss's weights) would stay on the meta device and fail after launch."""
+        inside = {id(m) for m in network.modules()}
+        stray = []
+        for name, child in module.named_modules():
+            if id(child) in inside:
+                continue
+            tensors = [*child.parameters(recurse=False), *child.buffers(recurse=False)]
+            tensors += [v for v in getattr(child, "_defaults", {}).values() if isinstance(v, torch.Tensor)]  # metrics
+            if any(t.is_meta for t in tensors):
+                stray.append(f"{name} ({type(child).__name__})")
+        if stray:
+            raise ValueError(
+                f"{', '.join(stray)} of {type(module).__name__} are on the meta device (built under "
+                "trainer.init_module()), and the strategy materialises only the network. HINT: build just the "
+                "network inside it (with trainer.init_module(): net = Net()) and the LightningModule outside"
+            )
+
     @property
     def dims(self) -> ParallelDims:
         if self._dims is None:
@@ -263,6 +282,20 @@ class MeshStrategy(ParallelStrategy):
         # peer stuck in a collective (or in user code) would be orphaned. Stop them all now.
         if isinstance(self.launcher, _SubprocessScriptLauncher):
             self.launcher.kill(signal.SIGKILL)
+
+    @override
+    def teardown(self) -> None:
+        module = self._lightning_module
+        if module is None or not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+            super().teardown()
+            return
+        # A run that stopped before materialising: Lightning's move to the CPU would raise "Cannot copy out of
+        # meta tensor" and hide the error that stopped it.
+        self._lightning_module = None
+        try:
+            super().teardown()
+        finally:
+            self._lightning_module = module
 
     def group(self, dim: str) -> dist.ProcessGroup:
         """The process group of this rank along one mesh dimension ("dp", "pp" or "tp")."""

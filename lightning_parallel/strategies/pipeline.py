@@ -139,6 +139,7 @@ class PipelineParallelStrategy(MeshStrategy):
                 "backward together in its schedule inside training_step. HINT: use automatic optimization, or "
                 "strategy='ddp' / 'tensor'"
             )
+        self.refuse_meta_outside(module, network)
         example = self._example_inputs(module, batch, "training_step")
         if example is None and not isinstance(network, nn.Sequential):
             return  # traced in setup, where the data module's first batch exists
