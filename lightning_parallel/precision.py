@@ -7,7 +7,7 @@ decide which process groups to combine.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 import torch
 import torch.distributed as dist
@@ -15,24 +15,31 @@ from torch.distributed.tensor import DTensor, Replicate
 
 
 def clip_grad_norm_global(
-    parameters: Iterable[torch.nn.Parameter], max_norm: float, *, group: dist.ProcessGroup | None = None
+    parameters: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    *,
+    group: dist.ProcessGroup | None = None,
+    shared: Container[int] = (),
 ) -> torch.Tensor:
     """Scale gradients in place so that their norm over all ranks of `group` is at most `max_norm`.
 
     Each rank passes the parameters it alone owns (e.g. its pipeline stages); the squared norms are
     summed over `group`. DTensor gradients are first summed over the mesh dimensions they are sharded
     on and counted once over those they are replicated on, so plain and DTensor parameters may mix.
-    Matches `torch.nn.utils.clip_grad_norm_` (L2, eps 1e-6) on one process.
+    Parameters whose id is in `shared` are also held by another rank that counts them (tied weights): they
+    are scaled here but not counted. Matches `torch.nn.utils.clip_grad_norm_` (L2, eps 1e-6) on one process.
     Returns the global norm before clipping.
     """
+    parameters = list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
+    counted = [p.grad for p in parameters if p.grad is not None and id(p) not in shared]
     device = _local(grads[0]).device if grads else torch.device("cpu")
     # float32 explicitly: under bf16-true the default dtype would make the collective lossy.
     squares = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
+    for g in counted:
         if not isinstance(g, DTensor):
             squares += g.detach().float().pow(2).sum()
-    squares += _dtensor_squares([g for g in grads if isinstance(g, DTensor)], device)
+    squares += _dtensor_squares([g for g in counted if isinstance(g, DTensor)], device)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
     total = squares.sqrt()

@@ -1,5 +1,5 @@
 """The README's examples run as written: examples/drop_in.py, unchanged but for
-`--strategy`, under the pipeline and tensor-parallel strategies on 2 CPU processes."""
+`--strategy`, under the pipeline strategy on 2 CPU processes (its modules under tensor_parallel: test_drop_in)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ EXAMPLES = Path(__file__).parents[1] / "examples"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("strategy", "devices"), [("pipeline", 2), ("tensor_parallel", 2)])
+@pytest.mark.parametrize(("strategy", "devices"), [("pipeline", 2)])  # tensor_parallel: test_drop_in
 def test_drop_in_example_runs(strategy: str, devices: int, tmp_path: Path) -> None:
     command = [sys.executable, str(EXAMPLES / "drop_in.py"), "--strategy", strategy, "--devices", str(devices)]
     command += ["--epochs", "1", "--max-steps", "6"]

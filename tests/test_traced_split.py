@@ -4,9 +4,6 @@ compute exactly what the eager network computes, on the network's own (pruned, r
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -312,75 +309,3 @@ def test_flop_costs_balance_compute_where_parameters_do_not() -> None:
     assert by_params == [["conv1", "conv2"], ["fc"]]  # fc holds most parameters but almost no compute
     assert by_flops == [["conv1"], ["conv2", "fc"]]
     assert min(traced.costs[:2]) > 50 * traced.costs[2]
-
-
-class SkipNorm(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
-        self.bn = nn.BatchNorm1d(8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.a(x)
-        return self.d(self.c(torch.relu(self.bn(self.b(h)))) + h)
-
-
-def _pipeline_worker(out: str) -> None:
-    """One rank of a 2-stage gloo pipeline over traced, pruned stages; saves its gradient/buffer error."""
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-    from lightning_parallel.pipeline.runtime import guard_metadata_inference
-
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo")
-    errors = {}
-    for schedule, count in ((ScheduleGPipe, 2), (Schedule1F1B, 4)):
-        torch.manual_seed(0)
-        reference, x, target = SkipNorm(), torch.randn(8, 8), torch.randn(8, 8)
-        network = copy.deepcopy(reference)
-        traced = TracedNetwork(network, x[: 8 // count])
-        split = [["a", "b"], ["bn", "c", "d"]]  # h crosses the boundary beside b's output
-        prune_children(network, split[rank], traced.blocks)
-        module = traced.stage_modules(split, [rank], x[: 8 // count], network)[rank]
-        runner = schedule(PipelineStage(module, rank, 2, torch.device("cpu")), n_microbatches=count, loss_fn=F.mse_loss)
-        guard_metadata_inference(runner, [module], [False])
-        losses: list[torch.Tensor] = []
-        runner.step(x) if rank == 0 else runner.step(target=target, losses=losses)
-        want = [F.mse_loss(reference(xs), ts) for xs, ts in zip(x.chunk(count), target.chunk(count), strict=True)]
-        sum(want).div(count).backward()  # torch's schedules scale gradients by 1 / micro-batches
-        worst = max(
-            (p.grad - reference.get_parameter(n).grad).abs().max().item() for n, p in network.named_parameters()
-        )
-        worst = max([worst, *((b - reference.get_buffer(n)).abs().max().item() for n, b in network.named_buffers())])
-        if losses:
-            worst = max(worst, (torch.stack(losses) - torch.stack(want).detach()).abs().max().item())
-        errors[schedule.__name__] = worst
-    torch.save(errors, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-
-
-@pytest.mark.slow  # two interpreters importing torch and Lightning: ~14 s on the shared 2-core machine
-def test_traced_stages_run_under_torch_schedules_on_two_processes(tmp_path) -> None:
-    from distributed import free_port
-
-    port, procs = free_port(), []
-    for rank in range(2):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"}  # fmt: skip
-        log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed after the wait
-        procs.append(
-            (subprocess.Popen([sys.executable, __file__, str(tmp_path)], env=env, stdout=log, stderr=log), log)
-        )
-    for proc, log in procs:
-        proc.wait(timeout=120)
-        log.close()
-    for rank, (proc, _) in enumerate(procs):
-        assert proc.returncode == 0, (tmp_path / f"rank{rank}.log").read_text()[-3000:]
-        errors = torch.load(tmp_path / f"rank{rank}.pt")
-        assert errors.keys() == {"ScheduleGPipe", "Schedule1F1B"}
-        assert max(errors.values()) < TOL, errors
-
-
-if __name__ == "__main__":
-    _pipeline_worker(sys.argv[1])

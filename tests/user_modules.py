@@ -117,7 +117,14 @@ def loader(*, shuffle: bool, batch_size: int = 16, seed: int = 0) -> DataLoader:
 
 
 def fit(
-    module: pl.LightningModule, *, strategy: Any, devices: int, steps: int, shuffle: bool, batch_size: int = 16
+    module: pl.LightningModule,
+    *,
+    strategy: Any,
+    devices: int,
+    steps: int,
+    shuffle: bool,
+    batch_size: int = 16,
+    **trainer_kwargs: Any,
 ) -> dict[str, Any]:
     """Fit with the user's defaults (use_distributed_sampler=True); losses, logged metrics, local weights."""
     pl.seed_everything(0, verbose=False)
@@ -132,10 +139,12 @@ def fit(
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[losses],
+        **trainer_kwargs,
     )
     trainer.fit(module, train_dataloaders=loader(shuffle=shuffle, batch_size=batch_size))
     # DTensors gathered whole (a collective, and every rank gets here)
-    state = {name: _whole(p).detach().cpu().clone() for name, p in module.named_parameters()}
+    # every name of a shared (tied) parameter, so one process's state lines up with each stage's
+    state = {name: _whole(p).detach().cpu().clone() for name, p in module.named_parameters(remove_duplicate=False)}
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return {"losses": losses.losses, "state": state, "metrics": metrics}
 

@@ -21,6 +21,7 @@ from lightning_parallel.pipeline.partition import (
     stage_module,
 )
 from lightning_parallel.pipeline.runtime import StageFactory
+from lightning_parallel.pipeline.tied import TiedGroup
 from lightning_parallel.pipeline.traced import TracedNetwork, prune_children
 
 Balance = str | Sequence[Sequence[str]]
@@ -54,8 +55,25 @@ class NetworkSplit:
             block_costs=block_costs,
         )
 
-    def tied_across_ranks(self, partition: Partition) -> list[list[str]]:
-        return list(shared_across_ranks(self.network, partition).values())
+    def tied_across_ranks(self, partition: Partition) -> list[TiedGroup]:
+        """Parameters used by blocks on different ranks (call before pruning)."""
+        groups = []
+        for names in shared_across_ranks(self.network, partition).values():
+            groups.append(self._tied(names[0], [name.split(".")[0] for name in names], partition))
+        return groups
+
+    def _tied(self, name: str, blocks: Sequence[str], partition: Partition) -> TiedGroup:
+        rank_of = {block: partition.stage_to_rank[i] for i, stage in enumerate(partition.stages) for block in stage}
+        param = self.network.get_parameter(name)
+        aliases = [n for n, p in self.network.named_parameters(remove_duplicate=False) if p is param]
+        last = max(blocks, key=self.blocks.index)
+        return TiedGroup(
+            names=tuple(aliases),
+            ranks=tuple(sorted({rank_of[block] for block in blocks})),
+            source=rank_of[last],
+            shape=tuple(param.shape),
+            dtype=param.dtype,
+        )
 
     def prune(self, keep: Sequence[str]) -> None:
         prune_to_blocks(self.network, keep)  # type: ignore[arg-type]
@@ -96,10 +114,9 @@ class TracedSplit(NetworkSplit):
             self.blocks, costs, unit, pp=pp, stages_per_rank=stages_per_rank, style=style, balance=balance
         )
 
-    def tied_across_ranks(self, partition: Partition) -> list[list[str]]:
-        rank_of = {name: partition.stage_to_rank[i] for i, stage in enumerate(partition.stages) for name in stage}
-        tied = self.traced.tied_parameters()
-        return [[name, *blocks] for name, blocks in tied.items() if len({rank_of[b] for b in blocks}) > 1]
+    def tied_across_ranks(self, partition: Partition) -> list[TiedGroup]:
+        groups = [self._tied(name, blocks, partition) for name, blocks in self.traced.tied_parameters().items()]
+        return [group for group in groups if len(group.ranks) > 1]
 
     def prune(self, keep: Sequence[str]) -> None:
         prune_children(self.network, keep, self.blocks)

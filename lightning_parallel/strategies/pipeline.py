@@ -28,6 +28,7 @@ from lightning_parallel.pipeline.profile import measure_block_costs
 from lightning_parallel.pipeline.runtime import PipelineRuntime, put_gradients, take_gradients
 from lightning_parallel.pipeline.schedule_plan import ScheduleSpec, analytic_bubble, resolve_schedule
 from lightning_parallel.pipeline.split import NetworkSplit, network_split
+from lightning_parallel.pipeline.tied import TiedGroup, broadcast_tied_values, counted_elsewhere, sum_tied_gradients
 from lightning_parallel.precision import agree_on_overflow, clip_grad_norm_global
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
 from lightning_parallel.strategies.user_step import (
@@ -96,6 +97,7 @@ class PipelineParallelStrategy(MeshStrategy):
         self._spec: ScheduleSpec | None = None
         self._partition: Partition | None = None
         self._split: NetworkSplit | None = None
+        self._tied: list[TiedGroup] = []
         self._example: tuple[torch.Tensor, ...] | None = None
         self._runtime: PipelineRuntime | None = None
         self._fresh_grads: list[torch.Tensor | None] | None = None
@@ -175,14 +177,7 @@ class PipelineParallelStrategy(MeshStrategy):
             balance=balance,
             block_costs=block_costs,
         )
-        tied = split.tied_across_ranks(partition)
-        if tied:
-            names = "; ".join(" = ".join(group) for group in tied)
-            raise ValueError(
-                f"tied parameters across pipeline ranks ({names}): each rank would train its own copy and they "
-                "would drift apart. HINT: put the blocks that share them on one stage (balance=[[...], [...]]), "
-                "or untie them"
-            )
+        self._tied = split.tied_across_ranks(partition)
         return partition
 
     def _measured_costs(self, network: nn.Sequential, trainer: pl.Trainer) -> list[float]:
@@ -233,6 +228,7 @@ class PipelineParallelStrategy(MeshStrategy):
             self._partition = self._plan_split(self._split, costs)
             self._split.prune(self.partition.blocks_of(pp_rank))
             materialize(network, self.root_device)
+            broadcast_tied_values(network, self._tied, self.group("pp"))
             if self.deferred_batchnorm:
                 self._batchnorms = defer_batchnorm(network)
         self.model = self.precision_plugin.convert_module(module)
@@ -397,7 +393,9 @@ class PipelineParallelStrategy(MeshStrategy):
         return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
 
     def _average_over_replicas(self) -> None:
-        """All-reduce each stage's gradients across data-parallel replicas, once per optimizer step."""
+        """Sum tied parameters' gradients over their stages, then all-reduce each stage's gradients across
+        data-parallel replicas, once per optimizer step."""
+        sum_tied_gradients(self.network_of(self.lightning_module), self._tied, self.group("pp"))
         if self.dims.dp == 1:
             return
         grads = [p.grad for p in self.local_parameters() if p.grad is not None]
@@ -413,7 +411,9 @@ class PipelineParallelStrategy(MeshStrategy):
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_global(params, float(clip_val), group=self.group("pp"))
+        network = self.network_of(self.lightning_module)
+        counted = counted_elsewhere(network, self._tied, self.device_mesh.get_local_rank("pp"))
+        clip_grad_norm_global(params, float(clip_val), group=self.group("pp"), shared=counted)
 
     # ---- evaluation ----------------------------------------------------------------------------
     def _evaluating(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

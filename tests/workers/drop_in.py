@@ -25,7 +25,7 @@ for config in configs:
         strategy = StrategyRegistry[strategy]["strategy"](**config["kwargs"])
     try:
         run = {"devices": config["devices"], "steps": config["steps"], "batch_size": config.get("batch_size", 16)}
-        results.append(fit(module, strategy=strategy, shuffle=False, **run))
+        results.append(fit(module, strategy=strategy, shuffle=False, **run, **config.get("trainer", {})))
     except Exception as error:  # a refused step raises the same line on every rank
         traceback.print_exc()
         results.append({"error": f"{type(error).__name__}: {error}"})

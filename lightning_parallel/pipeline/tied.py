@@ -1,0 +1,86 @@
+"""Parameters shared by blocks on different pipeline ranks (an embedding tied to the output head), kept tied.
+
+Each rank that uses such a parameter holds its own copy after pruning. As Megatron does for embeddings, the
+copies start from one value and their gradient contributions are summed between the holders before every
+optimizer step, so the copies stay identical and equal one process's single parameter. Torch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TiedGroup:
+    """One parameter used on several pipeline ranks.
+
+    Args:
+        names: every qualified name the parameter has in the network (one per module holding it).
+        ranks: the pipeline ranks holding a block that uses it.
+        source: the rank whose value every holder starts from: the one holding the last block that uses it,
+            because name-keyed initialisation on one process leaves the value of the last module initialised.
+        shape / dtype: the parameter's, so ranks without it can join the collectives.
+    """
+
+    names: tuple[str, ...]
+    ranks: tuple[int, ...]
+    source: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def local_parameter(network: nn.Module, group: TiedGroup) -> nn.Parameter | None:
+    """This rank's copy of the shared parameter (under whichever of its names survived pruning), or None."""
+    for name in group.names:
+        try:
+            return network.get_parameter(name)
+        except AttributeError:
+            continue
+    return None
+
+
+def broadcast_tied_values(network: nn.Module, groups: Sequence[TiedGroup], pp_group: dist.ProcessGroup) -> None:
+    """Give every holder the source rank's value (the ranks not holding it join with a scratch tensor)."""
+    for tied in groups:
+        param = local_parameter(network, tied)
+        device = _device(network)
+        buffer = (
+            param.detach().clone() if param is not None else torch.empty(tied.shape, dtype=tied.dtype, device=device)
+        )
+        dist.broadcast(buffer, group_src=tied.source, group=pp_group)
+        if param is not None:
+            with torch.no_grad():
+                param.copy_(buffer)
+
+
+def sum_tied_gradients(network: nn.Module, groups: Sequence[TiedGroup], pp_group: dist.ProcessGroup) -> None:
+    """Sum each shared parameter's gradient over the pipeline ranks; every holder gets the total."""
+    for tied in groups:
+        param = local_parameter(network, tied)
+        if param is not None and param.grad is not None:
+            total = param.grad.detach().float().clone()
+        else:
+            total = torch.zeros(tied.shape, dtype=torch.float32, device=_device(network))
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
+        if param is not None:
+            param.grad = total.to(param.dtype)
+
+
+def counted_elsewhere(network: nn.Module, groups: Sequence[TiedGroup], rank: int) -> set[int]:
+    """Ids of the shared parameters this rank holds but another rank counts in a global gradient norm."""
+    ids = set()
+    for tied in groups:
+        param = local_parameter(network, tied)
+        if param is not None and rank != min(tied.ranks):
+            ids.add(id(param))
+    return ids
+
+
+def _device(network: nn.Module) -> torch.device:
+    first = next(iter(network.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")
