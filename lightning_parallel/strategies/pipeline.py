@@ -145,8 +145,8 @@ class PipelineParallelStrategy(MeshStrategy):
         example = self._example_inputs(module, batch, "training_step")
         if example is None and not isinstance(network, nn.Sequential):
             return  # traced in setup, where the data module's first batch exists
-        # Checks the split is possible (it traces, enough blocks, a valid explicit split, nothing tied across
-        # ranks); a time-balanced split is measured later, in setup, where a sample batch exists.
+        # Checks the split is possible (it traces, enough blocks, a valid explicit split); a time-balanced
+        # split is measured later, in setup, where a sample batch exists.
         self._plan_split(network_split(network, example), None)
 
     def network_of(self, module: pl.LightningModule) -> nn.Module:
