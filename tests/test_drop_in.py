@@ -57,6 +57,7 @@ def test_user_modules_match_one_device_or_stop_with_one_line(tmp_path: Path) -> 
         # Networks with their own forward, split by tracing; 20-sample batches end in an uneven last batch
         run("pipeline", "tutorial_cnn", batch_size=20),
         run("pipeline", "tutorial_cnn", schedule="zbv"),
+        run("pipeline", "batchnorm_cnn", schedule="gpipe", microbatches=1),  # BatchNorm: exact at one micro-batch
         run("pipeline", "four_linear_mlp", step="functional_with_metrics"),
         run("tensor_parallel", "tutorial_cnn"),
         run("tensor_parallel", "four_linear_mlp"),

@@ -44,6 +44,19 @@ class TutorialCNN(nn.Module):
         return self.fc3(x)
 
 
+class BatchNormCNN(TutorialCNN):
+    """The tutorial CNN with a BatchNorm after its first convolution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm2d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(F.relu(self.norm(self.conv1(x))))
+        x = self.pool(F.relu(self.conv2(x)))
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x.flatten(1))))))
+
+
 class FourLinearMLP(nn.Module):
     """The four-Linear MLP of the multi-GPU tutorials, with its own forward."""
 
@@ -161,6 +174,7 @@ def build(net: str, step: str) -> Classifier:
         "sequential_mlp": sequential_mlp,
         "tied_sequential": tied_sequential,
         "tutorial_cnn": TutorialCNN,
+        "batchnorm_cnn": BatchNormCNN,
         "four_linear_mlp": FourLinearMLP,
     }
     return Classifier(networks[net](), step=step)
