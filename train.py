@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from lightning_parallel.callbacks import RunSummary
+from lightning_parallel.checkpoint import check_matches
 from lightning_parallel.tasks import ClassificationTask, LanguageModelTask, Task
 
 
@@ -94,8 +95,9 @@ def root_message(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
-def build(cfg: DictConfig) -> tuple[pl.Trainer, Task, pl.LightningDataModule, RunSummary]:
-    """Everything before launch; every configuration mistake surfaces here as a ConfigError."""
+def build(cfg: DictConfig) -> tuple[pl.Trainer, Task, pl.LightningDataModule, RunSummary, str | None]:
+    """Everything before launch, and the checkpoint to resume from; every configuration mistake (a checkpoint
+    that is missing, not one, or of another model included) surfaces here as a ConfigError."""
     try:
         check_config(cfg)
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -109,6 +111,9 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, Task, pl.LightningDataModule, Ru
         validate = getattr(trainer.strategy, "validate", None)  # our strategies check the model pre-launch
         if callable(validate):
             validate(task)
+        resume_from = resolve_checkpoint(cfg)
+        if resume_from is not None:
+            check_matches(resume_from, task)
     except ConfigError:
         raise
     except MissingMandatoryValue as error:
@@ -118,16 +123,48 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, Task, pl.LightningDataModule, Ru
         raise ConfigError(root_message(error)) from error
     except pl.utilities.exceptions.MisconfigurationException as error:
         raise ConfigError(root_message(error)) from error
-    return trainer, task, data, summary
+    return trainer, task, data, summary, resume_from
+
+
+def resolve_checkpoint(cfg: DictConfig) -> str | None:
+    """`ckpt_path`: a checkpoint (a .ckpt file or a sharded .ckpt directory), a run directory (its newest
+    checkpoint), or `last`: the newest checkpoint of this run's own directory (with hydra.run.dir=<that run>)."""
+    value = cfg.get("ckpt_path")
+    if value is None or str(value) == "":
+        return None
+    if str(value) == "last":
+        folder = Path(cfg.paths.output_dir) / "checkpoints"
+        if not folder.is_dir():
+            raise ConfigError(
+                f"ckpt_path=last: this run's directory {cfg.paths.output_dir} has no checkpoints/. HINT: resume "
+                "into the earlier run's directory (hydra.run.dir=<run dir>), or give ckpt_path=<run dir or .ckpt>"
+            )
+        return str(newest_checkpoint(folder))
+    path = Path(str(value))
+    if not path.exists():
+        raise ConfigError(f"ckpt_path={value} does not exist. HINT: give a run directory or its checkpoints/*.ckpt")
+    if (path / "checkpoints").is_dir():  # a run directory
+        return str(newest_checkpoint(path / "checkpoints"))
+    return str(path)
+
+
+def newest_checkpoint(folder: Path) -> Path:
+    """`last.ckpt` when the run saved one, else the most recently written checkpoint."""
+    if (folder / "last.ckpt").exists():
+        return folder / "last.ckpt"
+    found = [path for path in folder.glob("*.ckpt") if not path.name.endswith(".partial")]
+    if not found:
+        raise ConfigError(f"{folder} holds no checkpoint (*.ckpt). HINT: give ckpt_path=<a .ckpt file> directly")
+    return max(found, key=lambda path: path.stat().st_mtime)
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run `fit` as configured and return the summary (also written to `<output_dir>/summary.json`)."""
-    trainer, task, data, recorder = build(cfg)
+    trainer, task, data, recorder, resume_from = build(cfg)
     parameters = sum(p.numel() for p in task.model.parameters())  # before a strategy splits the model
     environment = dict(os.environ)
     try:
-        trainer.fit(task, datamodule=data)
+        trainer.fit(task, datamodule=data, ckpt_path=resume_from)
     finally:
         # Lightning leaves the process group and its launcher's variables (LOCAL_RANK, MASTER_PORT, ...)
         # behind; the next job of a sweep must launch its own processes and start its own group.
@@ -147,6 +184,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "data": type(data).__name__,
         "parameters": parameters,
         "seed": cfg.seed,
+        "resumed_from": resume_from,
         **recorder.summary,
     }
     describe = getattr(trainer.strategy, "describe", None)

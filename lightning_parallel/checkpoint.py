@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 META_FILE = "meta.pt"
@@ -52,6 +53,53 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
             "lightning_parallel strategy saved, e.g. <run>/checkpoints/last.ckpt"
         )
     return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+
+
+def saved_tensors(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the model tensors in a checkpoint (a sharded directory, or one Lightning file),
+    read from DCP's metadata or a memory-mapped load, without reading the values."""
+    path = Path(path)
+    if path.is_dir():
+        read_meta(path)
+        metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        prefix = MODEL_KEY + "."
+        return {
+            k[len(prefix) :]: tuple(v.size) for k, v in metadata.items() if k.startswith(prefix) and hasattr(v, "size")
+        }
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as error:  # torch raises several types for a file that is not a checkpoint
+        raise ValueError(
+            f"{path} is not a checkpoint torch can read ({type(error).__name__}). HINT: pass a .ckpt a run saved"
+        ) from None  # one line: the cause names torch internals, not the file
+    state = checkpoint.get(MODEL_KEY) if isinstance(checkpoint, dict) else None
+    if not isinstance(state, dict):
+        raise ValueError(
+            f"{path} holds no '{MODEL_KEY}', so it is not a Lightning checkpoint. HINT: pass a .ckpt a run saved"
+        )
+    return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def check_matches(path: str | os.PathLike, module: nn.Module) -> None:
+    """Before launch: the checkpoint holds exactly this module's tensors, with the same shapes (works on a
+    meta-device module); one line naming the first differences otherwise."""
+    saved = saved_tensors(path)
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    missing = sorted(expected.keys() - saved.keys())
+    unexpected = sorted(saved.keys() - expected.keys())
+    reshaped = sorted(
+        f"{k} {saved[k]} != {expected[k]}" for k in expected.keys() & saved.keys() if saved[k] != expected[k]
+    )
+    if missing or unexpected or reshaped:
+        parts = [
+            f"{label} {items[:3]}{' ...' if len(items) > 3 else ''}"
+            for label, items in (("missing", missing), ("unexpected", unexpected), ("shapes", reshaped))
+            if items
+        ]
+        raise ValueError(
+            f"{path} was saved from another model ({'; '.join(parts)}). HINT: resume with the model and data "
+            "options of the run that saved it"
+        )
 
 
 def load_module(module: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> None:
