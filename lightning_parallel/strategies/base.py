@@ -50,6 +50,7 @@ from typing_extensions import override
 
 from lightning_parallel.checkpoint import META_FILE, MODEL_KEY, partial_path, read_meta, replace_with
 from lightning_parallel.dims import ParallelDims
+from lightning_parallel.rendezvous import binds_exactly, bound_store
 
 # Flattened optimizer keys ("state.<param name>.exp_avg") are per parameter: no two ranks write the same
 # key with different values, and a checkpoint loads into any other split of the parameters.
@@ -226,10 +227,26 @@ class MeshStrategy(ParallelStrategy):
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, **self._rendezvous())
         self._dims = self.resolve_dims(self.world_size)
         self._mesh = self.dims.build_mesh(self.root_device.type, timeout=self._timeout)
         self._take_over_sampler_injection()
+
+    def _rendezvous(self) -> dict[str, Any]:
+        """A store listening on the main address only (loopback for one machine), unless torchrun's agent
+        hosts the store or the address is a host name (see `rendezvous.binds_exactly`)."""
+        environment = self.cluster_environment
+        assert environment is not None
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or not binds_exactly(environment.main_address):
+            return {}
+        store = bound_store(
+            environment.main_address,
+            environment.main_port,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            timeout=self._timeout,
+        )
+        return {"store": store}
 
     def _take_over_sampler_injection(self) -> None:
         """Lightning injects a shuffling DistributedSampler into the training loader of any distributed
