@@ -237,6 +237,8 @@ class MeshStrategy(ParallelStrategy):
         hosts the store or the address is a host name (see `rendezvous.binds_exactly`)."""
         environment = self.cluster_environment
         assert environment is not None
+        if _distributed_is_initialized():
+            return {}  # a later fit in the same processes reuses the group (and its store)
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or not binds_exactly(environment.main_address):
             return {}
         store = bound_store(
