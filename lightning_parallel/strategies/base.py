@@ -120,13 +120,15 @@ class MeshStrategy(ParallelStrategy):
 
     def first_batch(self, trainer: pl.Trainer) -> Any:
         """The first batch of the dataloader the running trainer function uses (fit: training)."""
-        loop = {
+        loops = {
             "fit": trainer.fit_loop,
             "validate": trainer.validate_loop,
             "test": trainer.test_loop,
             "predict": trainer.predict_loop,
-        }[trainer.state.fn.value]
-        loaders = loop._data_source.dataloader()
+        }
+        fn = trainer.state.fn
+        assert fn is not None  # set by fit/validate/test/predict before set-up
+        loaders = loops[fn.value]._data_source.dataloader()  # type: ignore[attr-defined]
         if isinstance(loaders, (list, tuple)):
             loaders = loaders[0]
         elif isinstance(loaders, dict):
@@ -276,7 +278,7 @@ class MeshStrategy(ParallelStrategy):
         ):
             return dataloader
         sampler = dataloader.sampler
-        kwargs = {"num_replicas": self.dims.dp, "rank": self.dims.coords(self.global_rank)[0]}
+        kwargs: dict[str, Any] = {"num_replicas": self.dims.dp, "rank": self.dims.coords(self.global_rank)[0]}
         kwargs["seed"] = int(os.getenv("PL_GLOBAL_SEED", 0))
         predicting = self.lightning_module is not None and self.lightning_module.trainer.predicting
         new: Sampler

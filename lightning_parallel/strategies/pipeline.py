@@ -222,7 +222,8 @@ class PipelineParallelStrategy(MeshStrategy):
         if self._runtime is None:  # first set-up of this model: split it (later fit/validate calls reuse it)
             step = {"fit": "training_step", "validate": "validation_step", "test": "test_step"}
             batch = self.first_batch(trainer) if not isinstance(network, nn.Sequential) else None
-            self._example = self._example_inputs(module, batch, step.get(trainer.state.fn.value, "predict_step"))
+            fn = trainer.state.fn.value if trainer.state.fn is not None else "predict"
+            self._example = self._example_inputs(module, batch, step.get(fn, "predict_step"))
             self._split = network_split(network, self._example)
             costs = self._measured_costs(network, trainer) if self.balance == "time" else None
             self._partition = self._plan_split(self._split, costs)
@@ -290,6 +291,7 @@ class PipelineParallelStrategy(MeshStrategy):
         """The user's training_step, unchanged: run up to its network call on every rank to learn the network's
         inputs, then per micro-batch on the last stage as the schedule's loss; its logs replayed everywhere."""
         module = self.lightning_module
+        assert module is not None
         network = self.network_of(module)
         batch, self._step_rest, self._step_kwargs = args[0], args[1:], kwargs
         inputs = capture_network_inputs(lambda: self._user_step(batch), network, module)

@@ -13,7 +13,7 @@ import inspect
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -178,7 +178,7 @@ def replay_logs(module: pl.LightningModule, records: list[list[LogRecord]], *, h
         if seen[0].metric is None:
             module.log(name, value, **kwargs)
             continue
-        metric = module.get_submodule(seen[0].metric)
+        metric = cast(Metric, module.get_submodule(seen[0].metric))
         if not holds_metrics:
             metric._update_count += 1  # torchmetrics: compute() warns and skips its sync without an update
             metric._computed = None  # a cached value would skip the all-gather the other ranks join
