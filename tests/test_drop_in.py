@@ -53,6 +53,7 @@ def test_user_modules_match_one_device_or_stop_with_one_line(tmp_path: Path) -> 
         run("pipeline", "sequential_mlp"),
         run("pipeline", "sequential_mlp", step="functional_with_metrics"),
         run("pipeline", "sequential_mlp", step="scaled"),
+        run("pipeline", "sequential_mlp", balance="time"),  # blocks timed on a plain DataLoader's first batch
         run("tensor_parallel", "sequential_mlp"),
         # Networks with their own forward, split by tracing; 20-sample batches end in an uneven last batch
         run("pipeline", "tutorial_cnn", batch_size=20),

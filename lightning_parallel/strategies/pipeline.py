@@ -180,26 +180,22 @@ class PipelineParallelStrategy(MeshStrategy):
         self._tied = split.tied_across_ranks(partition)
         return partition
 
-    def _measured_costs(self, network: nn.Sequential, trainer: pl.Trainer) -> list[float]:
-        """Rank 0 times every block on one micro-batch; every rank uses its numbers, so splits agree."""
+    def _measured_costs(self, network: nn.Module) -> list[float]:
+        """Rank 0 times every block on one micro-batch of the network's own inputs; every rank uses its
+        numbers, so splits agree."""
         costs: list[list[float] | None] = [None]
         if self.global_rank == 0:
-            sample = self._sample_microbatch(trainer)
-            costs[0] = measure_block_costs(network, sample, device=self.root_device)
+            if not self._example:
+                raise ValueError(
+                    "balance='time' needs a sample input to time the blocks on. HINT: set `example_input_array` "
+                    "on the LightningModule, give the Trainer data, or use balance='parameters'"
+                )
+            sample = self._example[0]
+            sample = sample[: max(1, len(sample) // self.microbatches_for(self.dims.pp))]
+            costs[0] = measure_block_costs(network, sample, device=self.root_device)  # type: ignore[arg-type]
         dist.broadcast_object_list(costs, src=0)
         assert costs[0] is not None
         return costs[0]
-
-    def _sample_microbatch(self, trainer: pl.Trainer) -> torch.Tensor:
-        sample = getattr(self.lightning_module, "example_input_array", None)
-        if sample is None and trainer.datamodule is not None:
-            sample = next(iter(trainer.datamodule.train_dataloader()))[0]
-        if not isinstance(sample, torch.Tensor):
-            raise ValueError(
-                "balance='time' needs a sample input to time the blocks on. HINT: set "
-                "`example_input_array` on the LightningModule, pass a datamodule, or use balance='parameters'"
-            )
-        return sample[: max(1, len(sample) // self.microbatches_for(self.dims.pp))]
 
     # ---- set-up in every process ---------------------------------------------------------------
     @contextmanager
@@ -221,11 +217,13 @@ class PipelineParallelStrategy(MeshStrategy):
         pp_rank = self.device_mesh.get_local_rank("pp")
         if self._runtime is None:  # first set-up of this model: split it (later fit/validate calls reuse it)
             step = {"fit": "training_step", "validate": "validation_step", "test": "test_step"}
-            batch = self.first_batch(trainer) if not isinstance(network, nn.Sequential) else None
+            # The network's inputs: to trace it, and for balance='time' to time its blocks on
+            needs_example = not isinstance(network, nn.Sequential) or self.balance == "time"
+            batch = self.first_batch(trainer) if needs_example else None
             fn = trainer.state.fn.value if trainer.state.fn is not None else "predict"
             self._example = self._example_inputs(module, batch, step.get(fn, "predict_step"))
             self._split = network_split(network, self._example)
-            costs = self._measured_costs(network, trainer) if self.balance == "time" else None
+            costs = self._measured_costs(network) if self.balance == "time" else None
             self._partition = self._plan_split(self._split, costs)
             self._split.prune(self.partition.blocks_of(pp_rank))
             materialize(network, self.root_device)
