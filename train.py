@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 import warnings
-from functools import partial
+from collections.abc import Callable
+from functools import wraps
 from pathlib import Path
 from typing import Any
 
@@ -18,81 +20,65 @@ import hydra
 import lightning.pytorch as pl
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
-from hydra.utils import get_class, instantiate
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from hydra.errors import (
+    ConfigCompositionException,
+    InstantiationException,
+    OverrideParseException,
+)
+from hydra.utils import instantiate
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from omegaconf import DictConfig, OmegaConf, read_write
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from config_checks import (
+    ConfigError,
+    check_config,
+    hydra_error_line,
+    instantiate_at,
+    resolve_checkpoint,
+    root_message,
+)
 from lightning_parallel.callbacks import RunSummary
 from lightning_parallel.checkpoint import check_matches
 from lightning_parallel.tasks import ClassificationTask, LanguageModelTask, Task
 
-
-class ConfigError(ValueError):
-    """A bad configuration, detected before any process is launched; the message is one line."""
-
-
-DATA_FOR_KIND = {
-    "image": "data=digits or data=synthetic_images",
-    "tokens": "data=synthetic_tokens or data=text",
-}
-
-
-def check_config(cfg: DictConfig) -> None:
-    """Reject configurations that cannot work, before anything is built or launched."""
-    devices = cfg.trainer.devices
-    if isinstance(devices, int) and devices < 1 and devices != -1:
-        raise ConfigError(f"trainer.devices={devices}: a run needs at least one device. HINT: trainer.devices=1")
-    model_kind = get_class(cfg.model._target_).input_kind
-    data_kind = get_class(cfg.data._target_).kind
-    if model_kind != data_kind:
-        model_name = cfg.model._target_.rsplit(".", 1)[-1]
-        raise ConfigError(
-            f"model {model_name} takes {model_kind} input but the data gives {data_kind} batches. "
-            f"HINT: use {DATA_FOR_KIND[model_kind]}"
-        )
-    if get_class(cfg.strategy._target_) is pl.strategies.SingleDeviceStrategy and devices != 1:
-        warnings.warn(f"strategy=single uses one device; ignoring trainer.devices={devices}", stacklevel=2)
-        with open_dict(cfg):
-            cfg.trainer.devices = 1
+__all__ = ["ConfigError", "build", "build_model", "build_strategy", "check_config", "hydra_error_line", "train"]
 
 
 def build_model(cfg: DictConfig, hints: dict[str, int]) -> torch.nn.Module:
     """Instantiate the model, filling its `???` arguments from what the data determines."""
     missing = {key: value for key, value in hints.items() if OmegaConf.is_missing(cfg.model, key)}
-    return instantiate(cfg.model, **missing)
+    return instantiate_at(cfg, "model", **missing)
 
 
 def build_task(cfg: DictConfig, model: torch.nn.Module, data: pl.LightningDataModule) -> Task:
     optimizer = instantiate(cfg.optimizer)
     scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
+    # Saved as a hyperparameter: `ClassificationTask.load_from_checkpoint(file)` rebuilds the network from it.
+    saved = OmegaConf.to_container(cfg.model, resolve=True)
+    assert isinstance(saved, dict)
+    config = {key: data.model_hints[key] if value == "???" else value for key, value in saved.items()}
+    kwargs: dict[str, Any] = {"optimizer": optimizer, "scheduler": scheduler, "model_config": config}
     if data.kind == "image":
-        num_classes = data.model_hints["num_classes"]
-        return ClassificationTask(model, num_classes=num_classes, optimizer=optimizer, scheduler=scheduler)
-    return LanguageModelTask(model, optimizer=optimizer, scheduler=scheduler)
+        return ClassificationTask(model, num_classes=data.model_hints["num_classes"], **kwargs)
+    return LanguageModelTask(model, **kwargs)
 
 
 def build_strategy(cfg: DictConfig) -> Any:
-    strategy = instantiate(cfg.strategy)
-    if isinstance(strategy, partial):  # single device: the device depends on the accelerator
-        accelerator = cfg.trainer.accelerator
-        use_cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-        strategy = strategy(device=torch.device("cuda", 0) if use_cuda else torch.device("cpu"))
-    return strategy
+    if not cfg.strategy.get("_partial_"):
+        return instantiate_at(cfg, "strategy")
+    # single device: the device depends on the accelerator (built here, so a wrong argument fails in instantiate_at)
+    accelerator = cfg.trainer.accelerator
+    use_cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+    return instantiate_at(cfg, "strategy", _partial_=False, device=device)
 
 
 def build_trainer(cfg: DictConfig, summary: RunSummary) -> pl.Trainer:
     """The Trainer with its strategy, callbacks (plus the run summary) and logger."""
     callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None]
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
-    return instantiate(cfg.trainer, strategy=build_strategy(cfg), callbacks=[*callbacks, summary], logger=logger)
-
-
-def root_message(error: BaseException) -> str:
-    """The innermost cause's message, first line only (Hydra wraps errors raised by targets)."""
-    while error.__cause__ is not None:
-        error = error.__cause__
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return instantiate_at(cfg, "trainer", strategy=build_strategy(cfg), callbacks=[*callbacks, summary], logger=logger)
 
 
 def build(cfg: DictConfig) -> tuple[pl.Trainer, Task, pl.LightningDataModule, RunSummary, str | None]:
@@ -101,7 +87,7 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, Task, pl.LightningDataModule, Ru
     try:
         check_config(cfg)
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
-        data = instantiate(cfg.data)
+        data = instantiate_at(cfg, "data")
         summary = RunSummary()
         trainer = build_trainer(cfg, summary)
         # Under a model-parallel strategy this builds on the meta device; each rank materialises its part.
@@ -126,38 +112,6 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, Task, pl.LightningDataModule, Ru
     return trainer, task, data, summary, resume_from
 
 
-def resolve_checkpoint(cfg: DictConfig) -> str | None:
-    """`ckpt_path`: a checkpoint (a .ckpt file or a sharded .ckpt directory), a run directory (its newest
-    checkpoint), or `last`: the newest checkpoint of this run's own directory (with hydra.run.dir=<that run>)."""
-    value = cfg.get("ckpt_path")
-    if value is None or str(value) == "":
-        return None
-    if str(value) == "last":
-        folder = Path(cfg.paths.output_dir) / "checkpoints"
-        if not folder.is_dir():
-            raise ConfigError(
-                f"ckpt_path=last: this run's directory {cfg.paths.output_dir} has no checkpoints/. HINT: resume "
-                "into the earlier run's directory (hydra.run.dir=<run dir>), or give ckpt_path=<run dir or .ckpt>"
-            )
-        return str(newest_checkpoint(folder))
-    path = Path(str(value))
-    if not path.exists():
-        raise ConfigError(f"ckpt_path={value} does not exist. HINT: give a run directory or its checkpoints/*.ckpt")
-    if (path / "checkpoints").is_dir():  # a run directory
-        return str(newest_checkpoint(path / "checkpoints"))
-    return str(path)
-
-
-def newest_checkpoint(folder: Path) -> Path:
-    """`last.ckpt` when the run saved one, else the most recently written checkpoint."""
-    if (folder / "last.ckpt").exists():
-        return folder / "last.ckpt"
-    found = [path for path in folder.glob("*.ckpt") if not path.name.endswith(".partial")]
-    if not found:
-        raise ConfigError(f"{folder} holds no checkpoint (*.ckpt). HINT: give ckpt_path=<a .ckpt file> directly")
-    return max(found, key=lambda path: path.stat().st_mtime)
-
-
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run `fit` as configured and return the summary (also written to `<output_dir>/summary.json`)."""
     trainer, task, data, recorder, resume_from = build(cfg)
@@ -174,6 +128,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         os.environ.update(environment)
     if trainer.interrupted:
         raise RuntimeError("training was interrupted; no summary.json written")
+    if trainer.global_step == 0 and trainer.max_steps != 0:  # e.g. the data gave no full batch
+        fix = "trainer.max_epochs>=1" if trainer.max_epochs == 0 else "training data of at least one batch"
+        raise RuntimeError(
+            f"training ran no optimizer step ({trainer.num_training_batches} training batches per epoch, "
+            f"max_epochs={trainer.max_epochs}); no summary.json written. HINT: {fix}"
+        )
     summary = {
         "strategy": type(trainer.strategy).__name__,
         "accelerator": type(trainer.accelerator).__name__,
@@ -187,6 +147,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "resumed_from": resume_from,
         **recorder.summary,
     }
+    auto_choice = getattr(trainer.strategy, "auto_choice", None)  # strategy=auto: what it chose and why
+    if auto_choice is not None:
+        summary["auto"] = auto_choice
     describe = getattr(trainer.strategy, "describe", None)
     if callable(describe):
         summary["parallel"] = describe()
@@ -221,6 +184,25 @@ def print_summary(summary: dict[str, Any], output_dir: str) -> None:
     )
 
 
+def report_failure(error: BaseException, output_dir: str) -> str | None:
+    """A run that failed after launch: the whole traceback goes to `<output_dir>/rank<R>.log` and the terminal
+    gets one line per rank (each rank would otherwise print 100+ lines). It names the first error, not one
+    raised while cleaning up after it, and a rank stopped by another's death says so (strategies/peers.py)."""
+    rank = rank_zero_only.rank
+    log = Path(output_dir) / f"rank{rank}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("".join(traceback.format_exception(error)))
+    first = error
+    while first.__context__ is not None and not first.__suppress_context__:
+        first = first.__context__
+    if any(note.startswith("caused by: ") for note in getattr(first, "__notes__", [])):
+        return f"rank {rank} stopped after the failure above (traceback: {log})"
+    if getattr(first, "same_on_every_rank", False):  # e.g. a training_step the pipeline refuses: say it once
+        return f"{first} (traceback: {log})" if rank == 0 else None
+    message = str(first).strip().splitlines()[0] if str(first).strip() else ""
+    return f"rank {rank} failed: {type(first).__name__}: {message} (traceback: {log})"
+
+
 def pin_job_for_relaunch() -> None:
     """Make Lightning's subprocess launcher re-run exactly this job, even inside a multirun sweep.
 
@@ -234,15 +216,63 @@ def pin_job_for_relaunch() -> None:
         hydra_cfg.run.dir = hydra_cfg.runtime.output_dir
 
 
+FULL_ERROR = "HYDRA_FULL_ERROR"  # Hydra raises its errors under "1"; else it prints several lines and exits 1
+_cli_raises = False  # True while `cli` has set HYDRA_FULL_ERROR=1 (the user had not) for Hydra's composition
+
+
+def as_job(task: Callable[[DictConfig], None]) -> Callable[[DictConfig], None]:
+    """Each Hydra job, and the ranks it launches, runs without `cli`'s HYDRA_FULL_ERROR=1, as the user asked;
+    the next job of a sweep is composed under it again."""
+
+    @wraps(task)
+    def job(cfg: DictConfig) -> None:
+        if not _cli_raises:
+            return task(cfg)
+        os.environ.pop(FULL_ERROR, None)
+        task(cfg)
+        os.environ[FULL_ERROR] = "1"
+
+    return job
+
+
+def cli() -> None:
+    """`python train.py ...`: Hydra's own errors (an unknown option of a config group, an unknown key, bad override
+    syntax) end like ours, with one `error:` line and exit 2. HYDRA_FULL_ERROR=1 keeps Hydra's full traceback."""
+    global _cli_raises
+    if os.environ.get(FULL_ERROR) == "1":
+        main()
+        return
+    os.environ[FULL_ERROR], _cli_raises = "1", True
+    try:
+        main()
+    except (ConfigCompositionException, OverrideParseException) as error:
+        print(f"error: {hydra_error_line(error)}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        os.environ.pop(FULL_ERROR, None)
+        _cli_raises = False
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
+@as_job
 def main(cfg: DictConfig) -> None:
     pin_job_for_relaunch()
+    if os.environ.get("LOCAL_RANK", "0") != "0":  # a launched rank: rank 0 of the node says the same warnings once
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
     try:
         train(cfg)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    except Exception as error:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        line = report_failure(error, cfg.paths.output_dir)
+        if line is not None:
+            print(f"error: {line}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
-    main()
+    cli()

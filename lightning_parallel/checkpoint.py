@@ -36,23 +36,90 @@ def partial_path(path: Path) -> Path:
     return path.with_name(path.name + ".partial")
 
 
-def replace_with(partial: Path, path: Path) -> None:
-    """Swap a finished checkpoint into place (rank 0 only), removing what was there."""
+def old_path(path: Path) -> Path:
+    """Where the previous checkpoint waits while a new one moves in (see `replace_with`)."""
+    return path.with_name(path.name + ".old")
+
+
+def remove(path: Path) -> None:
     if path.is_dir():
         shutil.rmtree(path)
     elif path.exists():
         path.unlink()
+
+
+def replace_with(partial: Path, path: Path) -> None:
+    """Swap a finished checkpoint into place (rank 0 only). The previous one is renamed aside first and
+    removed last, so a kill at any moment leaves `path` or `<path>.old` whole (`recover` puts it back)."""
+    remove(old_path(path))
+    if path.exists():
+        os.replace(path, old_path(path))
     os.replace(partial, path)
+    remove(old_path(path))
+
+
+def recover(folder: str | os.PathLike) -> None:
+    """Undo what an interrupted save left in a checkpoint folder: a checkpoint renamed aside but never replaced
+    goes back to its name; unfinished `.partial` writes and leftover `.old` copies are removed."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for old in folder.glob("*.old"):
+        target = old.with_name(old.name[: -len(".old")])
+        if target.exists():
+            remove(old)
+        else:
+            os.replace(old, target)
+    for partial in folder.glob("*.partial"):
+        remove(partial)
+
+
+def check_complete(path: Path) -> None:
+    """Every shard file DCP's metadata names is present and long enough, and `meta.pt` reads; one line naming
+    the missing or short file otherwise (a copy cut short, a deleted shard), before anything loads."""
+    hint = "HINT: resume from an earlier checkpoint of the run, or copy this one again"
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint {path} is incomplete: .metadata is missing. {hint}") from None
+    except Exception as error:  # torch raises several types for a truncated pickle
+        raise ValueError(
+            f"checkpoint {path} is damaged: .metadata does not read ({type(error).__name__}). {hint}"
+        ) from None
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise ValueError(f"checkpoint {path} is incomplete: shard {name} is missing. {hint}")
+        if file.stat().st_size < size:
+            raise ValueError(
+                f"checkpoint {path} is incomplete: shard {name} has {file.stat().st_size} bytes, its metadata "
+                f"needs {size}. {hint}"
+            )
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir() and (path / ".metadata").is_file() and not (path / META_FILE).is_file():
+        raise ValueError(
+            f"checkpoint {path} is incomplete: {META_FILE} is missing (the save was cut short). HINT: resume "
+            "from an earlier checkpoint of the run"
+        )
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(
             f"{path} is not a sharded checkpoint (no {META_FILE} inside). HINT: pass the directory a "
             "lightning_parallel strategy saved, e.g. <run>/checkpoints/last.ckpt"
         )
-    return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    check_complete(path)
+    try:
+        return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    except Exception as error:  # a truncated pickle raises EOFError, RuntimeError or UnpicklingError
+        raise ValueError(
+            f"checkpoint {path} is damaged: {META_FILE} does not read ({type(error).__name__}). HINT: resume "
+            "from an earlier checkpoint of the run, or copy this one again"
+        ) from None
 
 
 def saved_tensors(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
@@ -83,10 +150,17 @@ def saved_tensors(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
 def check_matches(path: str | os.PathLike, module: nn.Module) -> None:
     """Before launch: the checkpoint holds exactly this module's tensors, with the same shapes (works on a
     meta-device module); one line naming the first differences otherwise."""
-    saved = saved_tensors(path)
     expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    compare_tensors(path, saved_tensors(path), expected, whole=True)
+
+
+def compare_tensors(
+    path: str | os.PathLike, saved: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], *, whole: bool
+) -> None:
+    """One line naming the tensors `expected` lacks in `saved` or has with other shapes, and with `whole` (the
+    whole model, not one rank's part) also the saved tensors the model does not have."""
     missing = sorted(expected.keys() - saved.keys())
-    unexpected = sorted(saved.keys() - expected.keys())
+    unexpected = sorted(saved.keys() - expected.keys()) if whole else []
     reshaped = sorted(
         f"{k} {saved[k]} != {expected[k]}" for k in expected.keys() & saved.keys() if saved[k] != expected[k]
     )
@@ -135,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         written = export(args.checkpoint, args.out)
-    except FileNotFoundError as error:
+    except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"wrote {written}")

@@ -209,14 +209,15 @@ class AutoStrategy:
         use_cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
         datamodule = instantiate(data)
         workload = build_workload(model, datamodule, "flops")
-        chosen = plan(
+        ranked = plan(
             workload,
             devices=devices,
             hardware=_auto_hardware(hardware, use_cuda, devices),
             replica_batch=datamodule.batch_size,
             precision=str(precision),
             allow=lambda layout: runnable(layout, cuda=use_cuda),
-        ).best
+        )
+        chosen = ranked.best
         if chosen is None:
             raise ValueError(
                 f"strategy=auto: no layout that train.py runs fits {workload.name} on {devices} devices. "
@@ -226,6 +227,15 @@ class AutoStrategy:
         strategy = instantiate(OmegaConf.merge(OmegaConf.load(CONF / "strategy" / f"{name}.yaml"), keys))
         if name == "single":  # a partial: the device depends on the accelerator
             strategy = strategy(device=torch.device("cuda", 0) if use_cuda else torch.device("cpu"))
+        command = " ".join([f"strategy={name}", *(f"strategy.{key}={value}" for key, value in keys.items())])
+        # Said once (not by every launched rank) and kept on the strategy, so train.py records it in summary.json.
+        strategy.auto_choice = {"layout": describe(chosen.layout), "strategy": command, "reason": ranked.explain()}
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(
+                f"strategy=auto (this package's layout planner, not Lightning's 'auto') runs {command}: "
+                f"{ranked.explain()}",
+                file=sys.stderr,
+            )
         return strategy
 
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,15 +48,22 @@ def run_workers(worker: str, nprocs: int, payload: Any, out: Path, timeout: floa
         cmd = [sys.executable, str(WORKERS / f"{worker}.py"), str(out)]
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     try:
-        for proc, log in procs:
-            proc.wait(timeout=timeout)
+        # Like torchrun's agent: once one rank fails, the others (waiting for it in a collective) are stopped.
+        deadline = time.monotonic() + timeout
+        while any(proc.poll() is None for proc, _ in procs):
+            if any(proc.poll() not in (None, 0) for proc, _ in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        for _, log in procs:
             log.close()
     finally:
         for proc, _ in procs:
             if proc.poll() is None:
                 proc.kill()
+                proc.wait()
     failed = [r for r, (proc, _) in enumerate(procs) if proc.returncode != 0]
     if failed:
-        tail = (out / f"rank{failed[0]}.log").read_text()[-4000:]
-        raise AssertionError(f"ranks {failed} failed; rank {failed[0]} log tail:\n{tail}")
+        first = next((r for r in failed if procs[r][0].returncode != -signal.SIGKILL), failed[0])  # not one we killed
+        tail = (out / f"rank{first}.log").read_text()[-4000:]
+        raise AssertionError(f"ranks {failed} failed; rank {first} log tail:\n{tail}")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
+from train import train
+
 TINY = ["trainer.max_epochs=1", "trainer.limit_train_batches=4", "trainer.limit_val_batches=2"]
 
 
@@ -41,6 +43,7 @@ def test_multirun_single_and_ddp_each_get_a_directory(tmp_path: Path) -> None:
     assert len(by_strategy["DDPStrategy"]["peak_memory_bytes"]) == 2
     # Ranks > 0 re-ran this job in this job's directory, not a new sweep of their own.
     assert len(list((tmp_path / "multirun").glob("*/*"))) == 1
+    assert not list((tmp_path / "multirun").rglob("*.log"))  # no empty Hydra log per job and per launched rank
     assert not (tmp_path / "outputs").exists()
 
 
@@ -53,6 +56,7 @@ BAD_INPUTS = {
     ),
     "text path not given": (["model=transformer", "data=text"], "data.path"),
     "incompatible pair": (["model=transformer"], "GPT takes tokens input but the data gives image"),
+    "no training batches": (["trainer.limit_train_batches=0"], "trainer.limit_train_batches=0 trains on no batches"),
 }
 
 
@@ -68,9 +72,16 @@ def test_bad_input_is_one_clear_line(tmp_path: Path, name: str) -> None:
     assert not list(tmp_path.rglob("summary.json")) and not list(tmp_path.rglob("*.ckpt"))
 
 
-def test_unknown_config_option_fails(tmp_path: Path) -> None:
-    result = run_cli("model=no_such_model", cwd=tmp_path)
-    assert result.returncode != 0
-    assert "Could not find 'model/no_such_model'" in result.stderr
-    result = run_cli("trainer.no_such_key=1", cwd=tmp_path)
-    assert result.returncode != 0 and "no_such_key" in result.stderr
+# Unknown options and keys (Hydra's own errors), and values of the wrong type: tests/test_bad_input.py.
+
+
+def test_a_run_that_trains_nothing_is_not_a_success(compose_cfg, tmp_path: Path) -> None:
+    """No optimizer step although training was asked for: an error and no summary.json; max_steps=0 asked
+    for none, so that run's summary is written (in-process: no launch to pay for)."""
+    cfg = compose_cfg("trainer.max_epochs=0", "trainer.accelerator=cpu", "callbacks=none")
+    expected = r"^training ran no optimizer step \(23 training batches per epoch, max_epochs=0\); .* HINT: trainer\.max"
+    with pytest.raises(RuntimeError, match=expected) as error:
+        train(cfg)
+    assert "\n" not in str(error.value) and not list(tmp_path.rglob("summary.json"))
+    assert train(compose_cfg("trainer.max_steps=0", "trainer.accelerator=cpu", "callbacks=none"))["steps"] == 0
+    assert (tmp_path / "summary.json").exists()

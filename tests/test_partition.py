@@ -24,6 +24,7 @@ from lightning_parallel.pipeline import (
     stage_module,
     v_stage_to_rank,
 )
+from lightning_parallel.pipeline.partition import plan_partition
 
 
 @pytest.fixture(scope="module")
@@ -251,3 +252,22 @@ def test_table_lists_every_stage(resnet152: ResNet) -> None:
         assert cells[2].startswith(blocks[0]) and cells[2].endswith(blocks[-1])
         assert cells[3] == str(len(blocks))
     assert lines[-1].startswith(f"imbalance {partition.imbalance:.3f}")
+
+
+def test_a_balanced_split_never_leaves_a_rank_without_parameters() -> None:
+    """A noisy timing can make a Flatten look expensive; alone on a rank it would give that rank's optimizer an
+    empty parameter list. The parameter-free block joins the next block with parameters instead."""
+    names, costs = ["flatten", "fc1", "relu", "fc2", "relu2", "head"], [58.0, 10.0, 1.0, 10.0, 1.0, 20.0]
+    holds = [False, True, False, True, False, True]
+    assert plan_partition(names, costs, "seconds", pp=2, balance="time").stages == (
+        ("flatten",),
+        ("fc1", "relu", "fc2", "relu2", "head"),
+    )
+    kept = plan_partition(names, costs, "seconds", pp=2, balance="time", holds_parameters=holds)
+    assert kept.stages == (("flatten", "fc1"), ("relu", "fc2", "relu2", "head"))
+    # A split that already gives every rank parameters is left as it is.
+    even = [1.0] * 6
+    assert (
+        plan_partition(names, even, "seconds", pp=2, balance="time", holds_parameters=holds).stages
+        == plan_partition(names, even, "seconds", pp=2, balance="time").stages
+    )

@@ -46,6 +46,10 @@ def test_a_rank_that_raises_stops_the_run(tmp_path: Path) -> None:
     result, seconds = fail(tmp_path, "raise")
     assert result.returncode != 0
     assert result.stderr.count("RuntimeError: injected failure on rank 1") == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors[0].startswith("error: rank 1 failed: RuntimeError: injected failure on rank 1"), errors
+    assert "Traceback" not in result.stderr  # the traces are in the run directory, one file per rank
+    assert "injected failure" in (tmp_path / "run" / "rank1.log").read_text()
     assert seconds < 40
     assert not leftovers(tmp_path)
     assert not (tmp_path / "run" / "summary.json").exists()
@@ -55,5 +59,21 @@ def test_a_rank_that_raises_stops_the_run(tmp_path: Path) -> None:
 def test_a_rank_that_hangs_times_out(tmp_path: Path) -> None:
     result, seconds = fail(tmp_path, "hang", "strategy.timeout=5")
     assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors[0].startswith("error: a collective timed out on rank 0: another rank is alive but stuck"), errors
     assert seconds < 60, f"took {seconds:.0f} s"
+    assert not leftovers(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_from_outside_is_named_first(tmp_path: Path) -> None:
+    result, seconds = fail(tmp_path, "kill")
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors[0] == (
+        "error: rank 1 died first: it was killed by SIGKILL from outside, e.g. the out-of-memory killer; "
+        "it printed no error"
+    ), result.stderr[-3000:]
+    assert errors[1].startswith("error: rank 0 stopped after the failure above (traceback: ")
+    assert len(result.stderr.splitlines()) < 40 and seconds < 40
     assert not leftovers(tmp_path)

@@ -1,5 +1,6 @@
 """Lightning conformance of the pipeline strategy, each scenario compared with one process:
-validation/test/predict after fit, monitors, LR scheduling, uneven batches, BatchNorm, bf16-mixed."""
+validation/test/predict after fit, monitors, LR scheduling, uneven batches, BatchNorm, bf16-mixed; and the
+micro-batch plans that actually ran, as describe() reports them."""
 
 from __future__ import annotations
 
@@ -108,3 +109,35 @@ def test_fp16_mixed_with_loss_scaling_tracks_single_process(pipeline_runs: list[
         got = rank["fp16_mixed"]
         assert close(got["train_loss"], ref["train_loss"], 2e-2)
         assert got["scale"] == ref["scale"]
+
+
+@pytest.mark.slow
+def test_summary_reports_the_microbatches_that_ran(pipeline_runs: list[dict]) -> None:
+    """Batches of 7 cannot split into 4 equal micro-batches (1f1b on 2 stages needs >= 2): gpipe runs 1;
+    the last batch of 2 runs 1f1b with 2. describe() says so per batch size (only "requested" before the
+    first step) and rank 0 warns once per batch size."""
+    requested = {"schedule": "1f1b", "microbatches": 4, "bubble_fraction": pytest.approx(0.2)}
+    for rank, run in enumerate(pipeline_runs):
+        got = run["fallback_reported"]
+        assert "schedule" not in got["before"] and "microbatches" not in got["before"]
+        assert got["before"]["requested"] == requested and got["before"]["ran"] == []
+        after = got["after"]
+        assert (after["schedule"], after["microbatches"], after["bubble_fraction"]) == ("gpipe", 1, 0.5)
+        assert after["requested"] == requested
+        keys = ("mode", "batch_size", "schedule", "microbatches", "batches", "bubble_fraction")
+        assert all(list(plan) == list(keys) for plan in after["ran"])
+        assert [tuple(plan.values()) for plan in after["ran"]] == [
+            ("train", 7, "gpipe", 1, 2, 0.5),
+            ("train", 2, "1f1b", 2, 1, pytest.approx(1 / 3)),
+            ("eval", 7, "gpipe", 1, 1, None),
+        ]
+        heard = [line.split(" (")[0] for line in got["warnings"]]
+        assert heard == (
+            [
+                "pipeline: batches of 7 run gpipe with 1 micro-batch instead of 1f1b with 4",
+                "pipeline: batches of 2 run 1f1b with 2 micro-batches instead of 4",
+            ]
+            if rank == 0
+            else []
+        )
+        assert all("HINT: a batch size divisible by microbatches=4" in line for line in got["warnings"])

@@ -286,7 +286,7 @@ def test_plan_command_bad_input_is_one_line_and_exit_2(tmp_path) -> None:  # noq
     assert done.stderr.strip().count("\n") == 0 and "not a size" in done.stderr and done.stdout == ""
 
 
-def test_train_overrides_and_auto_strategy(compose_cfg) -> None:  # noqa: ANN001
+def test_train_overrides_and_auto_strategy(compose_cfg, capsys) -> None:  # noqa: ANN001
     assert train_overrides(Layout(dp=2, pp=2, schedule="1f1b", microbatches=4)) == [
         "strategy=pipeline", "trainer.devices=4", "strategy.schedule=1f1b", "strategy.microbatches=4",
         "strategy.data_parallel_size=2",
@@ -306,5 +306,11 @@ def test_train_overrides_and_auto_strategy(compose_cfg) -> None:  # noqa: ANN001
         "PipelineParallelStrategy",
         "TensorParallelStrategy",
     }
+    # It says what it chose and why, and train.py records both in summary.json.
+    choice = strategy.auto_choice
+    assert choice["strategy"].startswith("strategy=") and " wins at " in choice["reason"], choice
+    said = capsys.readouterr().err
+    assert said.startswith("strategy=auto (this package's layout planner, not Lightning's 'auto') runs strategy=")
+    assert choice["reason"] in said
     with pytest.raises(ValueError, match="trainer.devices as a count"):
         AutoStrategy(model=cfg.model, data=cfg.data, devices=-1)

@@ -13,6 +13,7 @@ from conftest import run_cli
 from torch import nn
 
 from lightning_parallel.checkpoint import META_FILE, MODEL_KEY, check_matches
+from lightning_parallel.tasks import ClassificationTask
 from train import ConfigError, build
 
 QUICK = ["trainer.accelerator=cpu", "trainer.limit_train_batches=5", "trainer.limit_val_batches=2"]
@@ -27,6 +28,9 @@ def summary(run: Path) -> dict:
 def test_resume_continues_the_run_exactly(tmp_path: Path) -> None:
     first = run_cli(*QUICK, "trainer.max_epochs=1", "hydra.run.dir=run", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
+    # A checkpoint train.py saved loads the Lightning way: the network is rebuilt from the saved hyperparameters.
+    loaded = ClassificationTask.load_from_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert type(loaded.model).__name__ == "SimpleCNN" and loaded.hparams.num_classes == 10
     resumed = run_cli(*QUICK, "trainer.max_epochs=2", "hydra.run.dir=run", "ckpt_path=last", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     straight = run_cli(*QUICK, "trainer.max_epochs=2", "hydra.run.dir=straight", cwd=tmp_path)

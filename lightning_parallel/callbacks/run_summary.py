@@ -81,10 +81,26 @@ def print_rank_table(summary: dict[str, Any], parallel: dict[str, Any]) -> None:
             f"{step_times[r] * 1e3:.1f} ms" if step_times[r] is not None else "-",
             f"{idle:.0%}" if idle is not None else "-",
         )
-    bubble = parallel.get("bubble_fraction")
-    caption = f"analytic bubble of {parallel['schedule']}: {bubble:.0%}" if bubble is not None else None
-    table.caption = caption
+    table.caption = bubble_caption(parallel)
     Console(stderr=True).print(table)
+
+
+def bubble_caption(parallel: dict[str, Any]) -> str | None:
+    """The analytic bubble of what ran (a pipeline's `describe()`): per training batch size when they
+    differ, and what was requested when it is not what ran; None without a bubble."""
+    if "bubble_fraction" not in parallel:
+        return None
+    plans = [r for r in parallel.get("ran", []) if r["mode"] == "train"] or [parallel]
+    parts = []
+    for r in plans:
+        batch = f" (batch {r['batch_size']})" if len(plans) > 1 else ""
+        parts.append(f"{r['schedule']} x{r['microbatches']}{batch}: {r['bubble_fraction']:.0%}")
+    asked = parallel.get("requested")
+    if asked is not None and any(
+        (r["schedule"], r["microbatches"]) != (asked["schedule"], asked["microbatches"]) for r in plans
+    ):
+        parts.append(f"requested {asked['schedule']} x{asked['microbatches']}")
+    return "analytic bubble of " + ", ".join(parts)
 
 
 def gather_objects(mine: Any) -> list[Any]:

@@ -291,7 +291,10 @@ def make_partition(
     """
     names = _check_sequential(model)
     costs, unit = _block_costs(model, balance, block_costs)
-    return plan_partition(names, costs, unit, pp=pp, stages_per_rank=stages_per_rank, style=style, balance=balance)
+    holds = [any(True for _ in model.get_submodule(name).parameters()) for name in names]
+    return plan_partition(
+        names, costs, unit, pp=pp, stages_per_rank=stages_per_rank, style=style, balance=balance, holds_parameters=holds
+    )
 
 
 def plan_partition(
@@ -303,8 +306,12 @@ def plan_partition(
     stages_per_rank: int = 1,
     style: str = "loop",
     balance: str | Sequence[Sequence[str]] = "parameters",
+    holds_parameters: Sequence[bool] | None = None,
 ) -> Partition:
-    """The partition of blocks with known costs: balanced by those costs, or the explicit split `balance`."""
+    """The partition of blocks with known costs: balanced by those costs, or the explicit split `balance`.
+    With `holds_parameters` (per block), a balanced split never leaves a rank without parameters where it can
+    be avoided: that rank's optimizer would get an empty parameter list (a measured cost can make a Flatten
+    look expensive)."""
     if pp < 1 or stages_per_rank < 1:
         raise ValueError(
             f"pp({pp}) and stages_per_rank({stages_per_rank}) must both be >= 1. HINT: use pp=1 for no pipeline."
@@ -315,6 +322,8 @@ def plan_partition(
     stage_to_rank = loop_stage_to_rank(num_stages, pp) if style == "loop" else v_stage_to_rank(num_stages, pp)
     if isinstance(balance, str):
         split = split_by_cost(names, costs, num_stages)
+        if holds_parameters is not None and _rank_without_parameters(split, stage_to_rank, names, holds_parameters):
+            split = _split_keeping_parameters(names, costs, holds_parameters, num_stages) or split
     else:
         split = split_explicit(names, balance)
         if len(split) != num_stages:
@@ -329,6 +338,34 @@ def plan_partition(
         costs=tuple(sum(cost_of[name] for name in stage) for stage in split),
         cost_unit=cost_unit,
     )
+
+
+def _rank_without_parameters(
+    split: Sequence[Sequence[str]], stage_to_rank: Sequence[int], names: Sequence[str], holds: Sequence[bool]
+) -> bool:
+    holder = dict(zip(names, holds, strict=True))
+    ranks_with = {stage_to_rank[i] for i, stage in enumerate(split) if any(holder[name] for name in stage)}
+    return len(ranks_with) < len(set(stage_to_rank))
+
+
+def _split_keeping_parameters(
+    names: Sequence[str], costs: Sequence[float], holds: Sequence[bool], num_stages: int
+) -> list[list[str]] | None:
+    """Split units instead of blocks: each parameter-free block joins the next block with parameters (trailing
+    ones the last), so every stage holds parameters; None when there are fewer such units than stages."""
+    units: list[list[int]] = []
+    pending: list[int] = []
+    for index, has in enumerate(holds):
+        pending.append(index)
+        if has:
+            units.append(pending)
+            pending = []
+    if not units or len(units) < num_stages:
+        return None
+    units[-1].extend(pending)
+    unit_costs = [sum(costs[i] for i in unit) for unit in units]
+    split = split_by_cost([str(u) for u in range(len(units))], unit_costs, num_stages)
+    return [[names[i] for u in stage for i in units[int(u)]] for stage in split]
 
 
 def shared_across_ranks(model: nn.Module, partition: Partition) -> dict[str, list[str]]:

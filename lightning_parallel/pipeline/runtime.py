@@ -1,5 +1,5 @@
-"""One pipelined step with `torch.distributed.pipelining`: stages and a schedule per input shape, the
-micro-batch count for a batch, and gradients set aside between a step and its backward.
+"""One pipelined step with `torch.distributed.pipelining`: stages and a schedule per input shape (its micro-batch
+count from `microbatches.py`, recorded as it runs), and gradients set aside between a step and its backward.
 
 Knows nothing about Lightning: the strategy decides when to call it and what to do with the results.
 """
@@ -7,7 +7,6 @@ Knows nothing about Lightning: the strategy decides when to call it and what to 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -24,29 +23,13 @@ from torch.distributed.pipelining.schedules import (
     _PipelineScheduleRuntime,
 )
 
+from lightning_parallel.pipeline.microbatches import PlansUsed, PlanUsed, plan_microbatches
 from lightning_parallel.pipeline.schedule_plan import resolve_schedule
 from lightning_parallel.pipeline.timing import StageTimer
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # One micro-batch of the network's inputs -> this rank's stage modules for that shape (traced networks).
 StageFactory = Callable[[tuple[torch.Tensor, ...]], dict[int, nn.Module]]
-
-
-# Schedules that accept any micro-batch count, per stage layout: the fallback for awkward batch sizes.
-# The schedule only orders the work; every schedule computes the same gradients.
-ANY_COUNT = {(1, "loop"): "gpipe", (2, "loop"): "looped_bfs", (2, "v"): "zbv"}
-
-
-def choose_microbatches(batch_size: int, requested: int, fits: Callable[[int], bool]) -> int | None:
-    """The largest micro-batch count <= `requested` that divides the batch and the schedule accepts.
-
-    Equal micro-batches keep the mean of micro-batch losses equal to the batch loss; a count per shape
-    avoids PipelineStage's fixed receive buffers ever seeing a different size. None if no count fits.
-    """
-    for count in range(min(requested, batch_size), 0, -1):
-        if batch_size % count == 0 and fits(count):
-            return count
-    return None
 
 
 def placeholder_loss(output: object) -> torch.Tensor:
@@ -133,12 +116,14 @@ class PipelineRuntime:
         stage_modules: stage index -> module holding that stage's blocks (shared with the model).
         num_stages: total stages in the pipeline (pipeline size x stages per rank).
         schedule: our schedule name (see `schedule_plan.SCHEDULES`).
-        microbatches: requested micro-batches per step; fewer are used when the batch needs it.
+        microbatches: requested micro-batches per step; fewer are used when the batch needs it (`used`
+            records what ran; `warn` hears once per batch size that ran fewer).
         group: the pipeline process group.
         device: where this rank's stages run.
         loss_fn: per micro-batch loss `(output, target) -> scalar mean`, called on the last stage.
         stage_factory: for networks traced per shape, builds the stage modules for a micro-batch's inputs;
             `stage_modules` are then the ones built for the first example.
+        warn: called with `fallback_warning`'s line the first time a batch size falls back.
     """
 
     def __init__(
@@ -152,6 +137,7 @@ class PipelineRuntime:
         device: torch.device,
         loss_fn: LossFn,
         stage_factory: StageFactory | None = None,
+        warn: Callable[[str], None] | None = None,
     ) -> None:
         self.stage_modules = dict(sorted(stage_modules.items()))
         self.stage_factory = stage_factory
@@ -167,10 +153,10 @@ class PipelineRuntime:
         self.style = spec.style
         self.has_first = 0 in self.stage_modules
         self.has_last = num_stages - 1 in self.stage_modules
-        self._schedules: dict[tuple, object] = {}
+        self._schedules: dict[tuple, tuple[object, PlanUsed]] = {}
         self._inferring = [False]
         self._hooked: set[int] = set()
-        self.microbatches_used: dict[tuple, tuple[str, int]] = {}
+        self.used = PlansUsed(schedule=schedule, requested=microbatches, warn=warn)
         # Fallback schedules (ANY_COUNT) split the backward only when the configured one does too.
         self.timer = StageTimer(self.stage_modules, backward=not spec.splits_backward)
 
@@ -179,29 +165,24 @@ class PipelineRuntime:
             return placeholder_loss(output)
         return self.loss_fn(output, target)
 
-    def _fits(self, name: str, count: int) -> bool:
-        try:
-            resolve_schedule(name, pp=self.pp, microbatches=count, stages_per_rank=self.stages_per_rank)
-        except ValueError:
-            return False
-        return True
+    @property
+    def microbatches_used(self) -> dict[tuple[bool, int], tuple[str, int]]:
+        """(training?, batch size) -> (schedule, micro-batches) that ran (the benchmarks read this)."""
+        return {key: (used.schedule, used.microbatches) for key, used in self.used.plans.items()}
 
-    def _plan(self, batch_size: int) -> tuple[str, int]:
-        """Schedule name and micro-batch count for a batch: the configured schedule when some count fits,
-        else the same-layout schedule that takes any count (e.g. a last batch of prime size)."""
-        count = choose_microbatches(batch_size, self.microbatches, partial(self._fits, self.schedule_name))
-        if count is not None:
-            return self.schedule_name, count
-        fallback = ANY_COUNT[(min(self.stages_per_rank, 2), self.style)]
-        count = choose_microbatches(batch_size, self.microbatches, partial(self._fits, fallback))
-        assert count is not None  # the fallback accepts a single micro-batch
-        return fallback, count
-
-    def _schedule(self, training: bool, inputs: tuple[torch.Tensor, ...]) -> object:
+    def _schedule(self, training: bool, inputs: tuple[torch.Tensor, ...]) -> tuple[object, PlanUsed]:
         # Every rank holds the batch (ranks of a replica share it), so every rank computes the same key.
         key = (training, tuple(tuple(t.shape) for t in inputs))
         if key not in self._schedules:
-            name, count = self._plan(inputs[0].shape[0])
+            batch_size = inputs[0].shape[0]
+            name, count = plan_microbatches(
+                batch_size,
+                schedule=self.schedule_name,
+                requested=self.microbatches,
+                pp=self.pp,
+                stages_per_rank=self.stages_per_rank,
+                style=self.style,
+            )
             spec = resolve_schedule(name, pp=self.pp, microbatches=count, stages_per_rank=self.stages_per_rank)
             modules = self._modules_for(inputs, count)
             stages = [
@@ -216,8 +197,7 @@ class PipelineRuntime:
             if not training:
                 drop_backward_actions(schedule)
             guard_metadata_inference(schedule, list(modules.values()), self._inferring)
-            self._schedules[key] = schedule
-            self.microbatches_used[key] = (name, count)
+            self._schedules[key] = (schedule, self.used.record(training, batch_size, name, count))
         return self._schedules[key]
 
     def _modules_for(self, inputs: tuple[torch.Tensor, ...], count: int) -> dict[int, nn.Module]:
@@ -237,18 +217,20 @@ class PipelineRuntime:
         """Forward and backward of one batch; gradients land in `.grad`. Returns the mean loss on the
         rank holding the last stage, None elsewhere. Every rank passes the batch."""
         new = (True, tuple(tuple(t.shape) for t in inputs)) not in self._schedules
-        schedule = self._schedule(True, inputs)
+        schedule, used = self._schedule(True, inputs)
         losses: list[torch.Tensor] = []
         args = inputs if self.has_first else ()
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
         self.timer.begin()
         schedule.step(*args, return_outputs=False, **kwargs)  # type: ignore[attr-defined]
         self.timer.end(count=not new)  # a new schedule's first step includes shape inference
+        used.batches += 1
         return torch.stack([loss.detach().float() for loss in losses]).mean() if self.has_last else None
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         """Forward only (evaluation). Returns the whole batch's output on the last stage's rank."""
-        schedule = self._schedule(False, inputs)
+        schedule, used = self._schedule(False, inputs)
         with torch.no_grad():
             output = schedule.step(*(inputs if self.has_first else ()))  # type: ignore[attr-defined]
+        used.batches += 1
         return output if self.has_last else None

@@ -110,8 +110,16 @@ class TracedSplit(NetworkSplit):
             unit = "parameters"
         else:
             costs, unit = [float(c) for c in self.traced.costs], "FLOPs"
+        holds = [any(True for _ in self.network.get_submodule(b).parameters()) for b in self.blocks]
         return plan_partition(
-            self.blocks, costs, unit, pp=pp, stages_per_rank=stages_per_rank, style=style, balance=balance
+            self.blocks,
+            costs,
+            unit,
+            pp=pp,
+            stages_per_rank=stages_per_rank,
+            style=style,
+            balance=balance,
+            holds_parameters=holds,
         )
 
     def tied_across_ranks(self, partition: Partition) -> list[TiedGroup]:

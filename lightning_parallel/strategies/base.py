@@ -8,8 +8,6 @@ tensor plans; subclasses say how the world splits (`resolve_dims`) and what to c
 from __future__ import annotations
 
 import os
-import shutil
-import signal
 from abc import abstractmethod
 from collections.abc import Callable
 from datetime import timedelta
@@ -48,15 +46,29 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 from typing_extensions import override
 
-from lightning_parallel.checkpoint import META_FILE, MODEL_KEY, partial_path, read_meta, replace_with
+from lightning_parallel.checkpoint import (
+    META_FILE,
+    MODEL_KEY,
+    compare_tensors,
+    partial_path,
+    read_meta,
+    recover,
+    replace_with,
+    saved_tensors,
+)
 from lightning_parallel.dims import ParallelDims
 from lightning_parallel.rendezvous import binds_exactly, bound_store
+from lightning_parallel.strategies.arguments import check_backend, check_timeout
+from lightning_parallel.strategies.peers import PeerFailure, check_nodes, stop_peers
 
 # Flattened optimizer keys ("state.<param name>.exp_avg") are per parameter: no two ranks write the same
 # key with different values, and a checkpoint loads into any other split of the parameters.
 OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)  # Lightning's default is 30 minutes of a silent hang
+# How long rank 0's store waits for the other processes to start (importing torch and Lightning can take 10 s
+# on a loaded machine); a child that dies meanwhile ends the run at once through Lightning's process observer.
+JOIN_TIMEOUT = timedelta(minutes=5)
 
 
 class _ValidatingLauncher(_SubprocessScriptLauncher):
@@ -103,12 +115,15 @@ class MeshStrategy(ParallelStrategy):
             cluster_environment=cluster_environment,
             precision_plugin=precision_plugin,
         )
+        check_timeout(self, timeout)  # a negative one would only fail later, inside the launched processes
+        check_backend(self, process_group_backend)
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         self._process_group_backend = process_group_backend
         self._dims: ParallelDims | None = None
         self._mesh: DeviceMesh | None = None
         self._use_distributed_sampler: bool | None = None
         self.num_nodes = 1
+        self.peer_failure: PeerFailure | None = None
 
     @abstractmethod
     def resolve_dims(self, world_size: int) -> ParallelDims:
@@ -216,6 +231,7 @@ class MeshStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         # Runs in the main process when the Trainer is built: the place to fail before any launch.
+        check_nodes(self.num_nodes, self.cluster_environment)
         self._dims = self.resolve_dims(self.num_processes * self.num_nodes)
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
@@ -248,7 +264,7 @@ class MeshStrategy(ParallelStrategy):
             environment.main_port,
             rank=self.global_rank,
             world_size=self.world_size,
-            timeout=self._timeout,
+            timeout=max(self._timeout, JOIN_TIMEOUT),  # a short `timeout` is for hung collectives, not slow starts
         )
         return {"store": store}
 
@@ -299,10 +315,9 @@ class MeshStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # Lightning kills the processes it launched only on KeyboardInterrupt; after any other error a
-        # peer stuck in a collective (or in user code) would be orphaned. Stop them all now.
-        if isinstance(self.launcher, _SubprocessScriptLauncher):
-            self.launcher.kill(signal.SIGKILL)
+        self.peer_failure = stop_peers(
+            self.launcher, exception, node_rank=self.node_rank, num_processes=self.num_processes
+        )
 
     @override
     def teardown(self) -> None:
@@ -373,8 +388,8 @@ class MeshStrategy(ParallelStrategy):
         """Every rank writes its shards into `<path>.partial`; rank 0 then swaps it in for `<path>`."""
         path = Path(self.broadcast(str(filepath)))
         partial = partial_path(path)
-        if self.is_global_zero and partial.exists():
-            shutil.rmtree(partial)  # left by a crash during an earlier save
+        if self.is_global_zero:
+            recover(path.parent)  # what a run killed during an earlier save left behind
         self.barrier()
         shards = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
         shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
@@ -396,6 +411,8 @@ class MeshStrategy(ParallelStrategy):
         state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(module)}
         for i, optimizer in enumerate(optimizers):
             state[f"optimizer_{i}"] = get_optimizer_state_dict(module, optimizer, options=OPTIMIZER_OPTIONS)
+        expected = {k: tuple(v.shape) for k, v in state[MODEL_KEY].items()}  # this rank's part, global shapes
+        compare_tensors(path, saved_tensors(path), expected, whole=False)
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(module, state[MODEL_KEY], options=StateDictOptions(strict=module.strict_loading))
         for i, optimizer in enumerate(optimizers):

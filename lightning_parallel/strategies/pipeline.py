@@ -26,10 +26,11 @@ from lightning_parallel.pipeline.batchnorm import batchnorm_notice, commit_batch
 from lightning_parallel.pipeline.partition import Partition
 from lightning_parallel.pipeline.profile import measure_block_costs
 from lightning_parallel.pipeline.runtime import PipelineRuntime, put_gradients, take_gradients
-from lightning_parallel.pipeline.schedule_plan import ScheduleSpec, analytic_bubble, resolve_schedule
+from lightning_parallel.pipeline.schedule_plan import SCHEDULES, ScheduleSpec, analytic_bubble, resolve_schedule
 from lightning_parallel.pipeline.split import NetworkSplit, network_split
 from lightning_parallel.pipeline.tied import TiedGroup, broadcast_tied_values, counted_elsewhere, sum_tied_gradients
 from lightning_parallel.precision import agree_on_overflow, clip_grad_norm_global
+from lightning_parallel.strategies.arguments import check_bool, check_choice, check_int, check_name, reject
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
 from lightning_parallel.strategies.user_step import (
     MicroSteps,
@@ -38,6 +39,8 @@ from lightning_parallel.strategies.user_step import (
     replay_logs,
     swap_attribute,
 )
+
+BALANCES = ("flops", "parameters", "time")  # how a split is balanced, besides explicit block names per stage
 
 
 class PipelineParallelStrategy(MeshStrategy):
@@ -77,12 +80,17 @@ class PipelineParallelStrategy(MeshStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(timeout=timeout, process_group_backend=process_group_backend, **kwargs)
-        if microbatches is not None and microbatches < 1:
-            raise ValueError(f"microbatches={microbatches} must be at least 1. HINT: microbatches=4")
-        if data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size={data_parallel_size} must be at least 1")
-        if isinstance(balance, str) and balance not in ("flops", "parameters", "time"):
-            raise ValueError(f"balance={balance!r} is unknown. HINT: flops, parameters, time, or block names per stage")
+        check_int(self, "microbatches", microbatches, example=4, optional=True)
+        check_choice(self, "schedule", schedule, SCHEDULES, example="1f1b")
+        check_int(self, "stages_per_rank", stages_per_rank, example=2, optional=True)
+        check_int(self, "data_parallel_size", data_parallel_size, example=1)
+        # block names per stage are checked against the network before launch (`partition.split_explicit`)
+        explicit = isinstance(balance, Sequence) and not isinstance(balance, str)
+        if not (balance is None or balance in BALANCES or explicit):
+            expected = f"None, one of {', '.join(BALANCES)}, or block names per stage"
+            reject(self, "balance", balance, expected, "balance='parameters', or [['0', '1'], ['2', '3']]")
+        check_bool(self, "deferred_batchnorm", deferred_batchnorm)
+        check_name(self, "network_attr", network_attr, example="model")
         self.schedule = schedule
         self._microbatches = microbatches
         self._stages_per_rank = stages_per_rank
@@ -269,12 +277,13 @@ class PipelineParallelStrategy(MeshStrategy):
             group=self.group("pp"),
             device=self.root_device,
             loss_fn=self._scaled(self.micro_steps.loss),
+            warn=rank_zero_warn,
         )
 
     def describe_layout(self) -> str:
         return (
             f"dp={self.dims.dp} x pp={self.dims.pp}, {len(self.partition.stages)} stages, "
-            f"{self.microbatches_for(self.dims.pp)} micro-batches"
+            f"{self.microbatches_for(self.dims.pp)} micro-batches requested"
         )
 
     @property
@@ -440,18 +449,39 @@ class PipelineParallelStrategy(MeshStrategy):
         return {"idle_fraction": timer.idle_fraction, "events": timer.last_events}
 
     def describe(self) -> dict[str, Any]:
-        """Partition, schedule and analytic bubble, for summary.json."""
+        """Partition, and the schedule, micro-batches and analytic bubble requested and actually run, for
+        summary.json. `ran` lists every (mode, batch size) with its plan; the top-level `schedule`,
+        `microbatches` and `bubble_fraction` are the plan of most training batches, absent before any ran."""
         spec, partition = self.spec, self.partition
-        microbatches = self.microbatches_for(self.dims.pp)
+        requested = self.microbatches_for(self.dims.pp)
+
+        def bubble(name: str, count: int) -> float:
+            return analytic_bubble(name, pp=self.dims.pp, microbatches=count, stages_per_rank=spec.stages_per_rank)
+
+        used = self._runtime.used.plans.values() if self._runtime is not None else []
+        ran: list[dict[str, Any]] = [
+            {
+                "mode": "train" if u.training else "eval",
+                "batch_size": u.batch_size,
+                "schedule": u.schedule,
+                "microbatches": u.microbatches,
+                "batches": u.batches,
+                "bubble_fraction": bubble(u.schedule, u.microbatches) if u.training else None,
+            }
+            for u in sorted(used, key=lambda u: (not u.training, -u.batch_size))
+        ]
+        most = max((r for r in ran if r["mode"] == "train"), key=lambda r: r["batches"], default=None)
         return {
-            "schedule": spec.name,
+            **({key: most[key] for key in ("schedule", "microbatches", "bubble_fraction")} if most else {}),
+            "requested": {
+                "schedule": spec.name,
+                "microbatches": requested,
+                "bubble_fraction": bubble(spec.name, requested),
+            },
+            "ran": ran,
             "data_parallel_size": self.dims.dp,
             "pipeline_size": self.dims.pp,
             "stages_per_rank": spec.stages_per_rank,
-            "microbatches": microbatches,
-            "bubble_fraction": analytic_bubble(
-                spec.name, pp=self.dims.pp, microbatches=microbatches, stages_per_rank=spec.stages_per_rank
-            ),
             "stages": [list(blocks) for blocks in partition.stages],
             "stage_to_rank": list(partition.stage_to_rank),
             "imbalance": partition.imbalance,

@@ -26,6 +26,7 @@ from typing_extensions import override
 from lightning_parallel.dims import ParallelDims
 from lightning_parallel.models.init import materialize
 from lightning_parallel.precision import clip_grad_norm_global, clip_grad_value_mixed
+from lightning_parallel.strategies.arguments import check_bool, check_choice, check_int, check_name, reject
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
 from lightning_parallel.tensor.pairing import auto_plan
 from lightning_parallel.tensor.plans import (
@@ -74,14 +75,16 @@ class TensorParallelStrategy(MeshStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(timeout=timeout, process_group_backend=process_group_backend, **kwargs)
-        for name, size in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
-            if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
-                raise ValueError(f"{name}={size!r} must be an integer >= 1, or None to derive it. HINT: {name}=2")
-        if isinstance(plan, str) and plan != "auto":
-            raise ValueError(
-                f"plan={plan!r} is not a plan. HINT: plan='auto', a dict like {{'block_*.attn.q': 'colwise'}} with "
-                f"styles from {', '.join(STYLES)}, or None for the model's own tp_plan"
-            )
+        check_int(self, "tensor_parallel_size", tensor_parallel_size, example=2, optional=True)
+        check_int(self, "data_parallel_size", data_parallel_size, example=1, optional=True)
+        if isinstance(plan, Mapping):
+            for pattern, style in plan.items():
+                check_choice(self, f"plan[{pattern!r}]", style, STYLES, example="colwise")
+        elif plan not in (None, "auto"):
+            expected = "None (the model's own tp_plan), 'auto', or a dict {module pattern: style}"
+            reject(self, "plan", plan, expected, "plan='auto', or plan={'block_*.attn.q': 'colwise'}")
+        check_bool(self, "sequence_parallel", sequence_parallel)
+        check_name(self, "network_attr", network_attr, example="model")
         self.tensor_parallel_size = tensor_parallel_size
         self.data_parallel_size = data_parallel_size
         self.plan = dict(plan) if isinstance(plan, Mapping) else plan
@@ -145,8 +148,9 @@ class TensorParallelStrategy(MeshStrategy):
                 d = self._description
                 rank_zero_info(
                     f"TensorParallelStrategy: tp={d['tensor_parallel_size']} x dp={d['data_parallel_size']}, plan from "
-                    f"{d['plan_source']}: {len(d['sharded'])} modules sharded, {len(d['replicated'])} replicated "
-                    f"(lists in describe()); parameter bytes per rank {d['parameter_bytes_per_rank']}"
+                    f"{d['plan_source']}: {len(d['sharded'])} modules sharded, {len(d['replicated'])} replicated; "
+                    f"parameter bytes per rank {d['parameter_bytes_per_rank']}\n"
+                    f"  sharded: {_names(d['sharded'])}\n  replicated: {_names(d['replicated'])}"
                 )
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
@@ -269,3 +273,10 @@ def _broadcast_from_rank0(network: nn.Module) -> None:
     with torch.no_grad():
         for tensor in [*network.parameters(), *network.buffers()]:
             dist.broadcast(tensor.data, src=0)
+
+
+def _names(items: Any, shown: int = 8) -> str:
+    """The first names of a describe() list; all of them are in summary.json's `parallel` (train.py)."""
+    names = [f"{k} ({v})" for k, v in items.items()] if isinstance(items, Mapping) else [str(i) for i in items]
+    more = f" ... and {len(names) - shown} more (all in summary.json's 'parallel')" if len(names) > shown else ""
+    return (", ".join(names[:shown]) or "none") + more

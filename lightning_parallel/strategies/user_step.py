@@ -42,7 +42,10 @@ def swap_attribute(obj: object, name: str, value: Any) -> Iterator[None]:
 
 
 class StepRefused(RuntimeError):
-    """A training_step this strategy cannot run exactly; the message is one line with a HINT."""
+    """A training_step this strategy cannot run exactly; the message is one line with a HINT, and every rank
+    raises the same one (so a caller prints it once)."""
+
+    same_on_every_rank = True
 
 
 class _NetworkCalled(Exception):  # noqa: N818 - control flow, not an error
@@ -217,7 +220,12 @@ def _once(output: Any) -> Callable[..., Any]:
 
 def _loss_of(result: Any) -> torch.Tensor:
     loss = result.get("loss") if isinstance(result, Mapping) else result
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+    if isinstance(loss, torch.Tensor) and loss.numel() != 1:
+        raise StepRefused(
+            f"training_step returned a loss of shape {tuple(loss.shape)}, not a scalar (a loss built with "
+            "reduction='none'?). HINT: return its mean, e.g. loss.mean()"
+        )
+    if not isinstance(loss, torch.Tensor):
         raise StepRefused(
             f"training_step returned {type(result).__name__}; under pipeline parallelism it must return the loss "
             "(a scalar tensor, or a dict with 'loss') for every batch. HINT: skipping a batch (None) is not supported"

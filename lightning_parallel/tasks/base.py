@@ -6,8 +6,9 @@ LightningModule (the network in one attribute, `training_step` returning a loss 
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -19,6 +20,13 @@ OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
 
 
+def build_from_config(config: Mapping[str, Any]) -> nn.Module:
+    """The network from a flat `{"_target_": "package.Class", **arguments}` (what train.py saves)."""
+    arguments = dict(config)
+    module_name, _, class_name = str(arguments.pop("_target_")).rpartition(".")
+    return getattr(importlib.import_module(module_name), class_name)(**arguments)
+
+
 class Task(pl.LightningModule, ABC):
     """A LightningModule around a single-device network.
 
@@ -28,12 +36,26 @@ class Task(pl.LightningModule, ABC):
         model: the network, an ordered container of named blocks.
         optimizer: a partial optimizer taking the parameters (Hydra `_partial_: true`).
         scheduler: an optional partial LR scheduler taking the optimizer; stepped every optimizer step.
+        model_config: how to build the network, `{"_target_": "package.Class", **arguments}`; saved as a
+            hyperparameter, and used when `model` is not given (`load_from_checkpoint`).
     """
 
     def __init__(
-        self, model: nn.Module, *, optimizer: OptimizerFactory, scheduler: SchedulerFactory | None = None
+        self,
+        model: nn.Module | None = None,
+        *,
+        optimizer: OptimizerFactory | None = None,
+        scheduler: SchedulerFactory | None = None,
+        model_config: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        # Saved with the checkpoint (the network, optimizer and scheduler are objects, not hyperparameters), so
+        # `Task.load_from_checkpoint(file)` rebuilds the network from `model_config` alone.
+        self.save_hyperparameters(ignore=["model", "optimizer", "scheduler"])
+        if model is None:
+            if model_config is None:
+                raise ValueError(f"{type(self).__name__} needs a model, or a model_config to build it from")
+            model = build_from_config(model_config)
         self.model = model
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
@@ -81,6 +103,11 @@ class Task(pl.LightningModule, ABC):
         return output, target
 
     def configure_optimizers(self) -> Any:
+        if self.optimizer_factory is None:
+            raise ValueError(
+                f"{type(self).__name__} was built without an optimizer (e.g. by load_from_checkpoint). HINT: pass "
+                "optimizer=functools.partial(torch.optim.AdamW, lr=1e-3) to train it"
+            )
         optimizer = self.optimizer_factory(self.parameters())
         if self.scheduler_factory is None:
             return optimizer

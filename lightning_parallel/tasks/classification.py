@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,18 +22,20 @@ class ClassificationTask(Task):
         num_classes: number of classes, for the accuracy metric.
         optimizer: partial optimizer (Hydra `_partial_: true`).
         scheduler: optional partial LR scheduler.
+        model_config: how to build the network (see `Task`).
     """
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | None = None,
         *,
         num_classes: int,
-        optimizer: OptimizerFactory,
+        optimizer: OptimizerFactory | None = None,
         scheduler: SchedulerFactory | None = None,
+        model_config: Mapping[str, Any] | None = None,
     ) -> None:
         self.num_classes = num_classes
-        super().__init__(model, optimizer=optimizer, scheduler=scheduler)
+        super().__init__(model, optimizer=optimizer, scheduler=scheduler, model_config=model_config)
 
     def make_metrics(self) -> dict[str, Metric]:
         return {"acc": MulticlassAccuracy(num_classes=self.num_classes, average="micro")}

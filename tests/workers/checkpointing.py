@@ -58,7 +58,8 @@ def build(
     )
     with trainer.init_module():
         model = GPT(**GPT_CONFIG)
-    task = LanguageModelTask(model, optimizer=partial(torch.optim.SGD, lr=0.5, momentum=0.9))
+    config = {"_target_": "lightning_parallel.models.GPT", **GPT_CONFIG}  # lets load_from_checkpoint rebuild it
+    task = LanguageModelTask(model, optimizer=partial(torch.optim.SGD, lr=0.5, momentum=0.9), model_config=config)
     return trainer, task, data, recorder
 
 

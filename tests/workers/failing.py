@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from typing import Any
 
@@ -17,4 +19,6 @@ class FailAt(pl.Callback):
             return
         if self.mode == "raise":
             raise RuntimeError(f"injected failure on rank {self.rank}")
+        if self.mode == "kill":  # dies without a word, as under the OOM killer
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(600)  # alive but stuck: its peers wait in a collective until the timeout

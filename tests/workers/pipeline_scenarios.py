@@ -5,6 +5,7 @@ Each scenario returns plain numbers, so the test can compare the two runs value 
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,32 @@ def fp16_mixed(strategy: Any, devices: int, out: Path) -> dict[str, Any]:
     return {"train_loss": recorder.history["train/loss"], "scale": float(plugin.scaler.get_scale())}
 
 
+def fallback_reported(strategy: Any, devices: int, out: Path) -> dict[str, Any]:
+    """Training batches 7, 7, 2 and a validation batch 7, with 4 micro-batches requested of 1f1b on 2 stages:
+    what describe() says before the first step and after fit, and the warnings this rank raised."""
+    pl.seed_everything(0, verbose=False)
+    data = SyntheticTokensDataModule(vocab_size=16, seq_len=8, num_samples=23, batch_size=7, val_fraction=0.3, seed=0)
+    before: dict[str, Any] = {}
+
+    class BeforeFirstStep(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            before.update(trainer.strategy.describe())
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _trainer(
+            strategy, devices, [BeforeFirstStep()], max_epochs=1, logger=False, enable_checkpointing=False
+        )
+        with trainer.init_module():
+            model = GPT(**TINY_GPT)
+        trainer.fit(LanguageModelTask(model, optimizer=SGD), datamodule=data)
+    return {
+        "before": before,
+        "after": trainer.strategy.describe(),
+        "warnings": [str(w.message) for w in caught if str(w.message).startswith("pipeline: ")],
+    }
+
+
 SCENARIOS = {
     "lightning_loops": (lightning_loops, {"schedule": "1f1b", "microbatches": 4}),
     "uneven_batches": (uneven_batches, {"schedule": "1f1b", "microbatches": 4}),
@@ -184,4 +211,5 @@ SCENARIOS = {
     "fp16_mixed": (fp16_mixed, {"schedule": "1f1b", "microbatches": 4}),
     "deferred_batchnorm": (deferred_batchnorm, {"schedule": "1f1b", "microbatches": 4, "deferred_batchnorm": True}),
     "balanced_by_time": (balanced_by_time, {"schedule": "1f1b", "microbatches": 4, "balance": "time"}),
+    "fallback_reported": (fallback_reported, {"schedule": "1f1b", "microbatches": 4}),
 }

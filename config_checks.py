@@ -1,0 +1,172 @@
+"""What train.py checks before anything is launched: every configuration mistake (a value of the wrong type or
+range, an unknown option or key, an impossible pairing, a checkpoint that cannot be resumed) becomes one
+`ConfigError` line naming the key and a fix, which train.py prints with exit code 2. Hydra lives here and in
+train.py only; the library never imports it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from hydra.errors import InstantiationException, MissingConfigException, OverrideParseException
+from hydra.utils import get_class, get_object, instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from lightning_parallel.checkpoint import recover
+
+
+class ConfigError(ValueError):
+    """A bad configuration, detected before any process is launched; the message is one line."""
+
+
+DATA_FOR_KIND = {
+    "image": "data=digits or data=synthetic_images",
+    "tokens": "data=synthetic_tokens or data=text",
+}
+
+
+# The integer keys train.py hands on, checked before anything is built so that `seed=abc` names its key instead of
+# failing deep inside Lightning: key -> (minimum, null allowed, value for the HINT). Absent keys are skipped.
+INTEGER_KEYS: dict[str, tuple[int, bool, str]] = {
+    "seed": (0, False, "42"),
+    "trainer.max_epochs": (-1, True, "15 (-1: no limit)"),
+    "trainer.max_steps": (-1, False, "1000 (-1: no limit)"),
+    "trainer.accumulate_grad_batches": (1, False, "1"),
+    "trainer.log_every_n_steps": (0, True, "10"),
+    "trainer.check_val_every_n_epoch": (1, True, "1"),
+    "trainer.num_sanity_val_steps": (-1, True, "0"),
+    "trainer.num_nodes": (1, False, "1"),
+    "data.batch_size": (1, False, "32"),
+    "data.num_workers": (0, False, "0"),
+}
+
+
+def check_integers(cfg: DictConfig) -> None:
+    """Every key of INTEGER_KEYS present in `cfg` holds an integer (not a bool, a float or a string) in range."""
+    for key, (minimum, nullable, example) in INTEGER_KEYS.items():
+        value = OmegaConf.select(cfg, key, default=KeyError)  # the default also for `???`: reported in build
+        if value is KeyError or (value is None and nullable):
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            accepted = f"an integer >= {minimum}" + (" or null" if nullable else "")
+            raise ConfigError(f"{key}={value} must be {accepted}. HINT: {key}={example}")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Reject configurations that cannot work, before anything is built or launched."""
+    check_integers(cfg)
+    devices = cfg.trainer.devices
+    if isinstance(devices, int) and devices < 1 and devices != -1:
+        raise ConfigError(f"trainer.devices={devices}: a run needs at least one device. HINT: trainer.devices=1")
+    limit = cfg.trainer.get("limit_train_batches")
+    if limit is not None and not isinstance(limit, bool) and limit == 0:
+        raise ConfigError(
+            f"trainer.limit_train_batches={limit} trains on no batches, so the run would train nothing. "
+            "HINT: a positive count or fraction (null = every batch)"
+        )
+    model_kind = get_class(cfg.model._target_).input_kind
+    data_kind = get_class(cfg.data._target_).kind
+    if model_kind != data_kind:
+        model_name = cfg.model._target_.rsplit(".", 1)[-1]
+        raise ConfigError(
+            f"model {model_name} takes {model_kind} input but the data gives {data_kind} batches. "
+            f"HINT: use {DATA_FOR_KIND[model_kind]}"
+        )
+    if get_class(cfg.strategy._target_) is pl.strategies.SingleDeviceStrategy and devices != 1:
+        warnings.warn(f"strategy=single uses one device; ignoring trainer.devices={devices}", stacklevel=2)
+        with open_dict(cfg):
+            cfg.trainer.devices = 1
+
+
+def instantiate_at(cfg: DictConfig, key: str, **kwargs: Any) -> Any:
+    """`instantiate(cfg.<key>)`, with an argument of the wrong kind named by its key (Lightning's own errors do not
+    say which value was wrong): a keyword the target does not take lists those it does."""
+    node = cfg[key]
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as error:
+        if not isinstance(error.__cause__, TypeError):
+            raise
+        target = get_object(node._target_)
+        unknown = re.search(r"unexpected keyword argument '(\w+)'", str(error.__cause__))
+        if unknown is None or unknown[1] not in node:
+            raise ConfigError(
+                f"{key} ({target.__name__}): {root_message(error)}. HINT: check the types of the {key}.* values "
+                "(`python train.py --cfg job` prints them)"
+            ) from error
+        parameters = inspect.signature(target).parameters.values()
+        accepted = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        raise ConfigError(unknown_name(f"{key}.", unknown[1], f"an argument of {target.__name__}", accepted)) from error
+
+
+def unknown_name(prefix: str, name: str, what: str, known: list[str]) -> str:
+    """One line for `<prefix><name>` when `name` is not one of `known`: the nearest one, then all of them."""
+    nearest = difflib.get_close_matches(name, known, n=1)
+    guess = f"did you mean {prefix}{nearest[0]}? " if nearest else ""
+    return f"{prefix}{name} is not {what}. HINT: {guess}known: {', '.join(known)}"
+
+
+def root_message(error: BaseException) -> str:
+    """The innermost cause's message, first line only (Hydra wraps errors raised by targets)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def resolve_checkpoint(cfg: DictConfig) -> str | None:
+    """`ckpt_path`: a checkpoint (a .ckpt file or a sharded .ckpt directory), a run directory (its newest
+    checkpoint), or `last`: the newest checkpoint of this run's own directory (with hydra.run.dir=<that run>)."""
+    value = cfg.get("ckpt_path")
+    if value is None or str(value) == "":
+        return None
+    if str(value) == "last":
+        folder = Path(cfg.paths.output_dir) / "checkpoints"
+        if not folder.is_dir():
+            raise ConfigError(
+                f"ckpt_path=last: this run's directory {cfg.paths.output_dir} has no checkpoints/. HINT: resume "
+                "into the earlier run's directory (hydra.run.dir=<run dir>), or give ckpt_path=<run dir or .ckpt>"
+            )
+        return str(newest_checkpoint(folder))
+    path = Path(str(value))
+    recover(path.parent)  # a run killed while swapping in a new checkpoint left the previous one aside
+    if not path.exists():
+        raise ConfigError(f"ckpt_path={value} does not exist. HINT: give a run directory or its checkpoints/*.ckpt")
+    if (path / "checkpoints").is_dir():  # a run directory
+        return str(newest_checkpoint(path / "checkpoints"))
+    return str(path)
+
+
+def newest_checkpoint(folder: Path) -> Path:
+    """`last.ckpt` when the run saved one, else the most recently written checkpoint."""
+    recover(folder)
+    if (folder / "last.ckpt").exists():
+        return folder / "last.ckpt"
+    found = [path for path in folder.glob("*.ckpt") if not path.name.endswith(".partial")]
+    if not found:
+        raise ConfigError(f"{folder} holds no checkpoint (*.ckpt). HINT: give ckpt_path=<a .ckpt file> directly")
+    return max(found, key=lambda path: path.stat().st_mtime)
+
+
+def hydra_error_line(error: Exception) -> str:
+    """Hydra's composition error in one line: an unknown option lists its group's options, an unknown key its
+    node's keys (Hydra would suggest `+key=...`, which only fails later as an unexpected argument)."""
+    if isinstance(error, MissingConfigException) and error.options and error.missing_cfg_file:
+        group, _, option = error.missing_cfg_file.rpartition("/")
+        return unknown_name(f"{group}=", option, f"an option of {group}", list(error.options))
+    cause = error.__cause__
+    if isinstance(cause, OmegaConfBaseException) and isinstance(cause.parent_node, DictConfig) and cause.full_key:
+        keys = [str(key) for key in cause.parent_node if not str(key).startswith("_")]
+        parent, _, name = cause.full_key.rpartition(".")
+        if difflib.get_close_matches(name, keys, n=1):  # else Hydra's `+key=...` (a new key) may be what was meant
+            return unknown_name(f"{parent}." if parent else "", name, f"a key of {parent or 'the config'}", keys)
+    first, *rest = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if isinstance(error, OverrideParseException):
+        first = f"{error.override}: {first}"
+    return f"{first.rstrip('.')}. HINT: {' '.join(rest)}" if rest else first

@@ -1,0 +1,29 @@
+"""Lightning's own DDP, with the mesh strategies' checks on the other processes: an impossible node count is
+refused before launch, and when a run fails the rank that died first is named in one line and no launched rank
+is left running (Lightning stops its children only on Ctrl+C)."""
+
+from __future__ import annotations
+
+from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+from typing_extensions import override
+
+from lightning_parallel.strategies.peers import PeerFailure, check_nodes, stop_peers
+
+
+class DDPStrategy(LightningDDPStrategy):
+    """`lightning.pytorch.strategies.DDPStrategy` (same arguments), refusing an impossible `num_nodes` before
+    launch and stopping every rank when one fails."""
+
+    peer_failure: PeerFailure | None = None
+
+    @override
+    def _configure_launcher(self) -> None:
+        check_nodes(self.num_nodes, self.cluster_environment)  # in the main process, before any launch
+        super()._configure_launcher()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self.peer_failure = stop_peers(
+            self.launcher, exception, node_rank=self.node_rank, num_processes=self.num_processes
+        )

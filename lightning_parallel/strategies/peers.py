@@ -1,0 +1,96 @@
+"""A run's other processes: refuse a node count nothing can satisfy, and when a launched rank dies, name it
+first and stop the others.
+
+Lightning kills the processes it launched only on Ctrl+C; after any other error a peer stuck in a collective
+or in user code would be left running. Used by the mesh strategies and by our DDP.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+# How a peer's death shows up on the survivors (gloo, nccl and the store).
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistNetworkError")
+
+
+def check_nodes(num_nodes: int, environment: object, environ: Mapping[str, str] = os.environ) -> None:
+    """A multi-node run needs something that tells each process its node: torchrun, SLURM (their own cluster
+    environments) or NODE_RANK set by hand. Without it, rank 0 waits for nodes that never come until the
+    timeout; refuse before launch instead."""
+    if num_nodes <= 1 or not isinstance(environment, LightningEnvironment):
+        return
+    if "NODE_RANK" in environ or "GROUP_RANK" in environ:
+        return
+    raise ValueError(
+        f"num_nodes={num_nodes}, but this process was not started by a multi-node launcher (no torchrun, SLURM or "
+        f"NODE_RANK), so it would wait for {num_nodes - 1} more node(s) until the timeout. HINT: on one machine use "
+        f"num_nodes=1; across machines run `torchrun --nnodes={num_nodes} ...` (or srun) on each node, or set "
+        "NODE_RANK, MASTER_ADDR and MASTER_PORT on each"
+    )
+
+
+@dataclass(frozen=True)
+class PeerFailure:
+    """A launched rank that exited on its own with a failure, before this process stopped it."""
+
+    rank: int
+    returncode: int
+
+    @property
+    def how(self) -> str:
+        if self.returncode < 0:
+            name = signal.Signals(-self.returncode).name
+            cause = " from outside, e.g. the out-of-memory killer; it printed no error" if name == "SIGKILL" else ""
+            return f"was killed by {name}{cause}"
+        return f"exited with code {self.returncode}; its own error is printed above"
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} died first: it {self.how}"
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    text = f"{type(error).__name__}: {error}"
+    return any(mark in text for mark in LOST_PEER)
+
+
+def first_dead(procs: list[subprocess.Popen], first_rank: int, wait: float) -> PeerFailure | None:
+    """The launched process that exited with a failure, waiting up to `wait` seconds for one to do so."""
+    deadline = time.monotonic() + wait
+    while True:
+        for offset, proc in enumerate(procs):
+            if proc.poll() not in (None, 0):
+                return PeerFailure(rank=first_rank + offset, returncode=proc.returncode)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
+def stop_peers(launcher: object, error: BaseException, *, node_rank: int, num_processes: int) -> PeerFailure | None:
+    """On the launching process: find which launched rank died first (when `error` says a peer was lost, give
+    it a moment to finish exiting), print one line naming it (or saying a peer hung), then kill every launched
+    rank."""
+    if not isinstance(launcher, _SubprocessScriptLauncher) or not launcher.procs:
+        return None
+    wait = 5.0 if lost_a_peer(error) else 0.0
+    failure = first_dead(launcher.procs, node_rank * num_processes + 1, wait)
+    launcher.kill(signal.SIGKILL)
+    line = str(failure) if failure is not None else None
+    if line is None and "Timed out" in str(error):
+        line = (
+            f"a collective timed out on rank {node_rank * num_processes}: another rank is alive but stuck (in its "
+            "own code or in a different collective); every rank is stopped. HINT: if a step legitimately takes "
+            "that long, raise the strategy's timeout"
+        )
+    if line is not None:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        error.add_note(f"caused by: {line}")
+    return failure

@@ -1,0 +1,76 @@
+"""When one launched rank dies, the launching process names it in one line and stops every other rank;
+our DDP does the same as the mesh strategies (Lightning's own leaves a hung rank running)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+from lightning_parallel.strategies.ddp import DDPStrategy
+from lightning_parallel.strategies.peers import PeerFailure, lost_a_peer, stop_peers
+
+LOST = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:35725")
+
+
+def launcher_with(*codes: str) -> _SubprocessScriptLauncher:
+    launcher = _SubprocessScriptLauncher(LightningEnvironment(), num_processes=len(codes) + 1, num_nodes=1)
+    launcher.procs = [subprocess.Popen([sys.executable, "-c", code]) for code in codes]
+    return launcher
+
+
+HANG = "import time; time.sleep(120)"
+
+
+def test_the_rank_that_exited_is_named_and_the_others_are_killed(capsys: pytest.CaptureFixture[str]) -> None:
+    launcher = launcher_with(HANG, "import sys; sys.exit(3)", HANG)
+    failure = stop_peers(launcher, LOST, node_rank=0, num_processes=4)
+    assert failure == PeerFailure(rank=2, returncode=3)
+    line = "rank 2 died first: it exited with code 3; its own error is printed above"
+    assert capsys.readouterr().err == f"error: {line}\n"
+    assert LOST.__notes__ == [f"caused by: {line}"]
+    assert [proc.wait(timeout=10) for proc in launcher.procs] == [-signal.SIGKILL, 3, -signal.SIGKILL]
+
+
+def test_a_rank_of_the_second_node_killed_by_a_signal() -> None:
+    launcher = launcher_with("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    failure = stop_peers(launcher, RuntimeError("Connection reset by peer"), node_rank=1, num_processes=2)
+    assert str(failure) == (
+        "rank 3 died first: it was killed by SIGKILL from outside, e.g. the out-of-memory killer; it printed no error"
+    )
+
+
+def test_our_own_error_stops_hung_peers_without_waiting() -> None:
+    """Rank 0 failed itself (not a lost peer): nobody is blamed, the hung ranks are killed at once."""
+    strategy = DDPStrategy()
+    strategy._launcher = launcher_with(HANG)
+    error = ValueError("a bug in training_step")
+    assert not lost_a_peer(error)
+    strategy.on_exception(error)
+    assert strategy.peer_failure is None
+    assert strategy.launcher.procs[0].wait(timeout=5) == -signal.SIGKILL
+
+
+def test_more_nodes_than_a_launcher_provides_is_refused_before_launch() -> None:
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+
+    from lightning_parallel.strategies.peers import check_nodes
+
+    with pytest.raises(ValueError, match=r"num_nodes=2, but this process was not started by a multi-node launcher"):
+        check_nodes(2, LightningEnvironment(), environ={})
+    check_nodes(1, LightningEnvironment(), environ={})
+    check_nodes(2, LightningEnvironment(), environ={"NODE_RANK": "1"})  # launched by hand on each node
+    check_nodes(2, TorchElasticEnvironment(), environ={})  # torchrun tells each process its node
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "pipeline"])
+def test_train_py_refuses_two_nodes_on_one_machine(compose_cfg, strategy: str) -> None:
+    from train import ConfigError, build
+
+    cfg = compose_cfg(f"strategy={strategy}", "trainer.devices=2", "trainer.accelerator=cpu", "trainer.num_nodes=2")
+    with pytest.raises(ConfigError, match=r"num_nodes=2, but .* HINT: on one machine use num_nodes=1"):
+        build(cfg)
