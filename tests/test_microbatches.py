@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_parallel.callbacks.run_summary import bubble_caption
+from lightning_parallel.callbacks.run_summary import IDLE_NOTE, bubble_caption, print_rank_table
 from lightning_parallel.pipeline.microbatches import PlansUsed, PlanUsed, fallback_warning, plan_microbatches
 
 PLANS = [
@@ -72,3 +72,18 @@ def test_caption_reports_what_ran_per_batch_size() -> None:
         "analytic bubble of gpipe x1 (batch 7): 50%, 1f1b x2 (batch 2): 33%, requested 1f1b x4"
     )
     assert bubble_caption({"requested": requested, "ran": []}) is None  # nothing ran: no bubble claimed
+
+
+def test_rank_table_says_what_idle_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    memory = (
+        "peak_memory_bytes",
+        "parameter_bytes_per_rank",
+        "gradient_bytes_per_rank",
+        "optimizer_state_bytes_per_rank",
+    )
+    summary = {**{key: [1024, 1024] for key in memory}, "step_time_s_per_rank": [0.02, 0.02]}
+    print_rank_table({**summary, "per_rank": [{"idle_fraction": 0.9}, {"idle_fraction": 0.5}]}, {})
+    printed = " ".join(capsys.readouterr().err.split())  # the caption wraps at the table's width
+    assert "90%" in printed and IDLE_NOTE in printed
+    print_rank_table(summary, {})  # no pipeline: no idle column values, no note
+    assert "idle:" not in capsys.readouterr().err

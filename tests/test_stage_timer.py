@@ -1,12 +1,15 @@
-"""StageTimer: a stage's backward is timed to its end on every stage, the first (input without gradient) too."""
+"""StageTimer: a stage's backward is timed to its end on every stage, the first (input without gradient) too;
+split-backward schedules' input- and weight-gradient passes are timed at torch's stage calls."""
 
 from __future__ import annotations
 
+import inspect
 import time
 import warnings
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 from lightning_parallel.pipeline.timing import StageTimer
 
@@ -58,3 +61,42 @@ def test_forward_only_timing_records_no_backward() -> None:
     stage(torch.randn(2, 4)).sum().backward()
     timer.end(count=True)
     assert [kind for _, _, kind, _, _ in timer.last_events] == ["F"]
+
+
+class SplitStage:
+    """What a split-backward schedule calls on torch's PipelineStage: I (or B when whole), then W."""
+
+    stage_index = 1
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: object = None, full_backward: bool = True) -> None:
+        time.sleep(SLOW)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        time.sleep(SLOW)
+
+
+def test_split_backward_is_timed_at_the_stage_calls() -> None:
+    for name in ("backward_one_chunk", "backward_weight_one_chunk"):  # the torch methods the timer wraps
+        assert hasattr(PipelineStage, name), name
+    assert "full_backward" in inspect.signature(PipelineStage.backward_one_chunk).parameters
+    module, stage = Stage(), SplitStage()
+    timer = StageTimer({1: module}, backward=False)
+    timer.watch_stages([stage])
+    timer.watch_stages([stage])  # watching twice does not time twice
+    timer.begin()
+    module(torch.randn(2, 4, requires_grad=True))
+    stage.backward_one_chunk(0, loss=None, full_backward=False)
+    stage.backward_weight_one_chunk(0, last_backward=True)
+    stage.backward_one_chunk(1, loss=None)  # a fallback schedule running the backward whole
+    timer.end(count=True)
+    kinds = [(kind, stage_index, mb) for _, _, kind, stage_index, mb in timer.last_events]
+    assert kinds == [("F", 1, 0), ("I", 1, 0), ("W", 1, 0), ("B", 1, 0)]
+    assert all(end - start >= SLOW for start, end, kind, _, _ in timer.last_events if kind != "F")
+    assert 0 <= timer.idle_fraction < 0.2
+
+
+def test_full_backward_timer_leaves_stage_calls_alone() -> None:
+    stage = SplitStage()
+    original = stage.backward_one_chunk
+    StageTimer({1: Stage()}, backward=True).watch_stages([stage])
+    assert stage.backward_one_chunk == original  # hooks time the backward there; no double counting

@@ -53,6 +53,14 @@ def gradient_and_optimizer_bytes(module: torch.nn.Module, optimizers: list[Any])
     return grads, state
 
 
+# Under the table when a pipeline measured idle time: it is far above the bubble for small models, so say why
+# (benchmarks/idle_check.py checks it against torch's profiler).
+IDLE_NOTE = (
+    "idle: time in the pipeline's forward/backward (schedule.step) when this rank's stages are not computing: "
+    "the bubble, plus waiting on a slower stage, send/recv and per-step Python, which dominate for small models"
+)
+
+
 def print_rank_table(summary: dict[str, Any], parallel: dict[str, Any]) -> None:
     """The end-of-run table on rank 0: one row per rank."""
     from rich.console import Console
@@ -60,7 +68,7 @@ def print_rank_table(summary: dict[str, Any], parallel: dict[str, Any]) -> None:
 
     from lightning_parallel.insight.sweep_report import format_bytes
 
-    table = Table(title="per rank", title_justify="left")
+    table = Table(title="per rank", title_justify="left", caption_justify="left")
     for column in ("rank", "peak memory", "parameters", "gradients", "optimizer", "step time", "idle"):
         table.add_column(column, justify="right")
     per_rank = summary.get("per_rank") or [{}] * len(summary["peak_memory_bytes"])
@@ -81,7 +89,8 @@ def print_rank_table(summary: dict[str, Any], parallel: dict[str, Any]) -> None:
             f"{step_times[r] * 1e3:.1f} ms" if step_times[r] is not None else "-",
             f"{idle:.0%}" if idle is not None else "-",
         )
-    table.caption = bubble_caption(parallel)
+    measured_idle = any(rank.get("idle_fraction") is not None for rank in per_rank)
+    table.caption = "\n".join(filter(None, [bubble_caption(parallel), IDLE_NOTE if measured_idle else None])) or None
     Console(stderr=True).print(table)
 
 

@@ -189,6 +189,7 @@ class PipelineRuntime:
                 PipelineStage(module, index, self.num_stages, self.device, group=self.group)
                 for index, module in modules.items()
             ]
+            self.timer.watch_stages(stages)
             loss_fn = self._loss if training else None
             if issubclass(spec.torch_class, PipelineScheduleSingle):
                 schedule = spec.torch_class(stages[0], n_microbatches=count, loss_fn=loss_fn)

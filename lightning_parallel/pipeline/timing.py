@@ -1,22 +1,25 @@
 """When each local pipeline stage computes, measured with module hooks, so the idle time per rank
 (the measured bubble) can be put next to the schedule's analytic one, and drawn.
 
-Forward and full backward are timed; a backward runs from the stage output's autograd node to the stage's
-last parameter gradient. Schedules that split the backward (the zero-bubble ones and DualPipeV) get forward
-timing only: their weight-gradient pass runs apart from the input-gradient pass, so one span would cover
-the wait between them; their backward work counts as idle here.
+Forward and full backward are timed with hooks; a backward runs from the stage output's autograd node to the
+stage's last parameter gradient. Schedules that split the backward (the zero-bubble ones and DualPipeV) run the
+input-gradient (I) and weight-gradient (W) passes apart, so one hooked span would cover the wait between them:
+their backward is timed at torch's two stage calls instead (`watch_stages`; torch's Python in those calls counts
+as busy). Everything else inside the step
+(send/recv and their waits, the loss, the schedule's Python) is idle here.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-# (start_s, end_s, kind "F"/"B", stage, micro-batch); wall-clock seconds, so ranks share one clock
+# (start_s, end_s, kind "F"/"B"/"I"/"W", stage, micro-batch); wall-clock seconds, so ranks share one clock
 Event = tuple[float, float, str, int, int]
 
 
@@ -55,6 +58,32 @@ class StageTimer:
         if params:
             module.register_forward_hook(lambda _m, _a, output: self._on_backward_start(output, index))
             torch.autograd.graph.register_multi_grad_hook(params, lambda _: self._end("B", index))
+
+    def watch_stages(self, stages: Iterable[Any]) -> None:
+        """Split-backward schedules: time torch's `PipelineStage.backward_one_chunk` (I, or B when run whole) and
+        `backward_weight_one_chunk` (W) of these stages. (On the last stage, I includes the loss's backward.)"""
+        for stage in stages:
+            if self._backward or id(stage) in self._watched:
+                continue
+            self._watched.add(id(stage))
+            index, backward, weight = stage.stage_index, stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+            def timed_backward(*args: Any, _run: Any = backward, _i: int = index, **kwargs: Any) -> Any:
+                kind = "B" if kwargs.get("full_backward", True) else "I"
+                self._start(kind, _i)
+                try:
+                    return _run(*args, **kwargs)
+                finally:
+                    self._end(kind, _i)
+
+            def timed_weight(*args: Any, _run: Any = weight, _i: int = index, **kwargs: Any) -> Any:
+                self._start("W", _i)
+                try:
+                    return _run(*args, **kwargs)
+                finally:
+                    self._end("W", _i)
+
+            stage.backward_one_chunk, stage.backward_weight_one_chunk = timed_backward, timed_weight
 
     def _on_backward_start(self, output: Any, index: int) -> None:
         outputs = output if isinstance(output, tuple | list) else (output,)
