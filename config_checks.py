@@ -135,7 +135,8 @@ def resolve_checkpoint(cfg: DictConfig) -> str | None:
             )
         return str(newest_checkpoint(folder))
     path = Path(str(value))
-    recover(path.parent)  # a run killed while swapping in a new checkpoint left the previous one aside
+    if not path.exists():
+        recover(path.parent)  # a run killed while swapping in a new checkpoint left the previous one aside
     if not path.exists():
         raise ConfigError(f"ckpt_path={value} does not exist. HINT: give a run directory or its checkpoints/*.ckpt")
     if (path / "checkpoints").is_dir():  # a run directory
@@ -148,7 +149,7 @@ def newest_checkpoint(folder: Path) -> Path:
     recover(folder)
     if (folder / "last.ckpt").exists():
         return folder / "last.ckpt"
-    found = [path for path in folder.glob("*.ckpt") if not path.name.endswith(".partial")]
+    found = list(folder.glob("*.ckpt"))  # unfinished `.ckpt.partial` saves were removed by `recover`
     if not found:
         raise ConfigError(f"{folder} holds no checkpoint (*.ckpt). HINT: give ckpt_path=<a .ckpt file> directly")
     return max(found, key=lambda path: path.stat().st_mtime)

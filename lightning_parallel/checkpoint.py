@@ -128,11 +128,7 @@ def saved_tensors(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     path = Path(path)
     if path.is_dir():
         read_meta(path)
-        metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        prefix = MODEL_KEY + "."
-        return {
-            k[len(prefix) :]: tuple(v.size) for k, v in metadata.items() if k.startswith(prefix) and hasattr(v, "size")
-        }
+        return sharded_tensors(path)
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     except Exception as error:  # torch raises several types for a file that is not a checkpoint
@@ -145,6 +141,13 @@ def saved_tensors(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
             f"{path} holds no '{MODEL_KEY}', so it is not a Lightning checkpoint. HINT: pass a .ckpt a run saved"
         )
     return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def sharded_tensors(path: Path) -> dict[str, tuple[int, ...]]:
+    """Names and global shapes of the model tensors in a sharded checkpoint already checked by `read_meta`."""
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    prefix = MODEL_KEY + "."
+    return {k[len(prefix) :]: tuple(v.size) for k, v in metadata.items() if k.startswith(prefix) and hasattr(v, "size")}
 
 
 def check_matches(path: str | os.PathLike, module: nn.Module) -> None:

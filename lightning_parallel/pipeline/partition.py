@@ -291,10 +291,15 @@ def make_partition(
     """
     names = _check_sequential(model)
     costs, unit = _block_costs(model, balance, block_costs)
-    holds = [any(True for _ in model.get_submodule(name).parameters()) for name in names]
+    holds = holds_parameters(model, names)
     return plan_partition(
         names, costs, unit, pp=pp, stages_per_rank=stages_per_rank, style=style, balance=balance, holds_parameters=holds
     )
+
+
+def holds_parameters(model: nn.Module, names: Sequence[str]) -> list[bool]:
+    """Per block: whether it has any parameter (a Flatten or ReLU has none)."""
+    return [any(True for _ in model.get_submodule(name).parameters()) for name in names]
 
 
 def plan_partition(

@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_parallel.pipeline.partition import (
     Partition,
+    holds_parameters,
     make_partition,
     plan_partition,
     prune_to_blocks,
@@ -110,7 +111,6 @@ class TracedSplit(NetworkSplit):
             unit = "parameters"
         else:
             costs, unit = [float(c) for c in self.traced.costs], "FLOPs"
-        holds = [any(True for _ in self.network.get_submodule(b).parameters()) for b in self.blocks]
         return plan_partition(
             self.blocks,
             costs,
@@ -119,7 +119,7 @@ class TracedSplit(NetworkSplit):
             stages_per_rank=stages_per_rank,
             style=style,
             balance=balance,
-            holds_parameters=holds,
+            holds_parameters=holds_parameters(self.network, self.blocks),
         )
 
     def tied_across_ranks(self, partition: Partition) -> list[TiedGroup]:

@@ -54,7 +54,7 @@ from lightning_parallel.checkpoint import (
     read_meta,
     recover,
     replace_with,
-    saved_tensors,
+    sharded_tensors,
 )
 from lightning_parallel.dims import ParallelDims
 from lightning_parallel.rendezvous import binds_exactly, bound_store
@@ -412,7 +412,7 @@ class MeshStrategy(ParallelStrategy):
         for i, optimizer in enumerate(optimizers):
             state[f"optimizer_{i}"] = get_optimizer_state_dict(module, optimizer, options=OPTIMIZER_OPTIONS)
         expected = {k: tuple(v.shape) for k, v in state[MODEL_KEY].items()}  # this rank's part, global shapes
-        compare_tensors(path, saved_tensors(path), expected, whole=False)
+        compare_tensors(path, sharded_tensors(path), expected, whole=False)
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(module, state[MODEL_KEY], options=StateDictOptions(strict=module.strict_loading))
         for i, optimizer in enumerate(optimizers):
