@@ -1,17 +1,21 @@
 """Gradient clipping by one global norm when a model's parameters are spread over several ranks.
 
 Lightning clips with the local norm, which under pipeline parallelism differs per stage, and crashes on a mix of
-DTensor and plain gradients under tensor parallelism. This module only computes and applies the norm; it does not
-decide which process groups to combine.
+DTensor and plain gradients under tensor parallelism; and each rank's GradScaler would skip fp16 steps on its own.
+This module computes and applies the norm and agrees on overflow; it does not decide which process groups combine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Container, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
+from typing_extensions import override
+
+from lightning_parallel.seams import found_inf_flags
 
 
 def clip_grad_norm_global(
@@ -84,19 +88,31 @@ def clip_grad_value_mixed(parameters: Iterable[torch.nn.Parameter], clip_value: 
             _local(p.grad).clamp_(min=-clip_value, max=clip_value)
 
 
-def agree_on_overflow(scaler: torch.amp.GradScaler, group: dist.ProcessGroup | None = None) -> None:
-    """Make every rank skip the same optimizer steps under fp16 loss scaling.
+class AgreeingGradScaler(torch.amp.GradScaler):
+    """A GradScaler whose steps every rank skips together under fp16 loss scaling.
 
-    Each rank's GradScaler checks only its own gradients for inf/NaN; when one pipeline stage
-    overflows, all must skip the step and lower the scale together. Wraps `scaler.unscale_` so the
-    found-inf flags are max-reduced over `group` right after unscaling (torch 2.13 keeps them in
-    `scaler._per_optimizer_states`).
+    Each rank's scaler checks only its own gradients for inf/NaN; when one pipeline stage or tensor shard
+    overflows, all must skip the step and lower the scale together. So the found-inf flags are max-reduced over
+    `group` (None: every rank) right after unscaling, before clipping or `step` reads them.
     """
-    unscale = scaler.unscale_
 
-    def unscale_and_agree(optimizer: torch.optim.Optimizer) -> None:
-        unscale(optimizer)
-        for found_inf in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+    def __init__(self, *args: Any, group: dist.ProcessGroup | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.group = group
 
-    scaler.unscale_ = unscale_and_agree  # type: ignore[method-assign]
+    @classmethod
+    def like(
+        cls, scaler: torch.amp.GradScaler, device: str, group: dist.ProcessGroup | None = None
+    ) -> AgreeingGradScaler:
+        """A copy of `scaler` (scale, growth settings and tracker) that agrees over `group`."""
+        agreeing = cls(device, group=group, enabled=scaler.is_enabled())
+        state = scaler.state_dict()
+        if state:  # empty when disabled
+            agreeing.load_state_dict(state)
+        return agreeing
+
+    @override
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)
+        for found_inf in found_inf_flags(self, optimizer):
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)

@@ -26,6 +26,7 @@ from torch.distributed.pipelining.schedules import (
 from lightning_parallel.pipeline.microbatches import PlansUsed, PlanUsed, plan_microbatches
 from lightning_parallel.pipeline.schedule_plan import resolve_schedule
 from lightning_parallel.pipeline.timing import StageTimer
+from lightning_parallel.seams import action_order, shape_inference
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # One micro-batch of the network's inputs -> this rank's stage modules for that shape (traced networks).
@@ -71,7 +72,7 @@ def guard_metadata_inference(schedule: object, modules: Sequence[nn.Module], inf
     so buffers are saved before that step and restored after it; `inferring[0]` is True meanwhile, so the
     loss can skip user code that must see each real micro-batch exactly once.
     """
-    infer = schedule._initialize_pp_stages  # type: ignore[attr-defined]
+    infer = shape_inference(schedule)
     buffers = [b for module in modules for b in module.buffers()]
 
     def guarded(*args: object, **kwargs: object) -> object:
@@ -100,7 +101,7 @@ def drop_backward_actions(schedule: object) -> None:
     if not isinstance(schedule, _PipelineScheduleRuntime):
         return  # single-stage schedules skip the backward themselves when there is no loss
     keep = {FORWARD, SEND_F, RECV_F, UNSHARD, RESHARD}
-    order = schedule.pipeline_order_with_comms  # type: ignore[attr-defined]
+    order = action_order(schedule)
     for rank, actions in order.items():
         flat = []
         for action in actions:

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_parallel.seams import stage_backward_calls
+
 # (start_s, end_s, kind "F"/"B"/"I"/"W", stage, micro-batch); wall-clock seconds, so ranks share one clock
 Event = tuple[float, float, str, int, int]
 
@@ -66,7 +68,7 @@ class StageTimer:
             if self._backward or id(stage) in self._watched:
                 continue
             self._watched.add(id(stage))
-            index, backward, weight = stage.stage_index, stage.backward_one_chunk, stage.backward_weight_one_chunk
+            index, (backward, weight) = stage.stage_index, stage_backward_calls(stage)
 
             def timed_backward(*args: Any, _run: Any = backward, _i: int = index, **kwargs: Any) -> Any:
                 kind = "B" if kwargs.get("full_backward", True) else "I"

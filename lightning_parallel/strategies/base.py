@@ -57,8 +57,11 @@ from lightning_parallel.checkpoint import (
     sharded_tensors,
 )
 from lightning_parallel.dims import ParallelDims
+from lightning_parallel.precision import clip_grad_norm_global
 from lightning_parallel.rendezvous import binds_exactly, bound_store
+from lightning_parallel.seams import changed
 from lightning_parallel.strategies.arguments import check_backend, check_timeout
+from lightning_parallel.strategies.mesh_precision import mesh_precision
 from lightning_parallel.strategies.peers import PeerFailure, check_nodes, stop_peers
 
 # Flattened optimizer keys ("state.<param name>.exp_avg") are per parameter: no two ranks write the same
@@ -133,6 +136,45 @@ class MeshStrategy(ParallelStrategy):
         """Check the LightningModule before any process is launched (subclasses extend); `batch` is a first
         batch when the data came as a DataLoader."""
 
+    # ---- one set-up order; subclasses fill in how the network is split or sharded -------------------
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """accelerator -> `parallelize` (split/shard, subclasses) -> precision -> device -> `on_device`
+        (subclasses) -> optimizers. The same order for every mesh strategy, so composing them stays readable."""
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        self.parallelize(trainer, module)
+        self.precision_plugin = mesh_precision(self.precision_plugin, self)
+        self.model = self.precision_plugin.convert_module(module)
+        self.model_to_device()
+        self.on_device(trainer, module)
+        self.barrier()
+        if trainer.state.fn == "fit":
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    @abstractmethod
+    def parallelize(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        """Split or shard the network (first set-up of a model only; a later fit/validate reuses it)."""
+
+    def on_device(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        """What needs the network converted and on its device (runtimes, gradient hooks, the start line)."""
+
+    def clip_norm_over_mesh(self, parameters: list[nn.Parameter], max_norm: float) -> None:
+        """Clip this rank's `parameters` by one norm over the whole model, as one process would. DTensor
+        gradients are summed over their own meshes; `norm_group` adds the ranks holding other plain parts."""
+        clip_grad_norm_global(parameters, max_norm, group=self.norm_group(), shared=self.counted_elsewhere())
+
+    def norm_group(self) -> dist.ProcessGroup | None:
+        """The ranks whose plain (non-DTensor) gradients are other parts of the same model (pipeline stages)."""
+        return None
+
+    def counted_elsewhere(self) -> set[int]:
+        """Ids of parameters another rank of `norm_group` also holds and counts (tied weights)."""
+        return set()
+
     def first_batch(self, trainer: pl.Trainer) -> Any:
         """The first batch of the dataloader the running trainer function uses (fit: training)."""
         loops = {
@@ -143,7 +185,10 @@ class MeshStrategy(ParallelStrategy):
         }
         fn = trainer.state.fn
         assert fn is not None  # set by fit/validate/test/predict before set-up
-        loaders = loops[fn.value]._data_source.dataloader()  # type: ignore[attr-defined]
+        source = getattr(loops[fn.value], "_data_source", None)
+        if not callable(getattr(source, "dataloader", None)):
+            raise changed("lightning", "the loops' `_data_source.dataloader()`", "find the first batch")
+        loaders = source.dataloader()  # type: ignore[union-attr]
         if isinstance(loaders, (list, tuple)):
             loaders = loaders[0]
         elif isinstance(loaders, dict):
@@ -276,7 +321,11 @@ class MeshStrategy(ParallelStrategy):
         trainer = getattr(module, "_trainer", None) if module is not None else None
         if trainer is None:
             return
-        connector = trainer._accelerator_connector
+        connector = getattr(trainer, "_accelerator_connector", None)
+        if not hasattr(connector, "use_distributed_sampler"):
+            raise changed(
+                "lightning", "Trainer._accelerator_connector.use_distributed_sampler", "keep samplers per replica"
+            )
         if self._use_distributed_sampler is None:
             self._use_distributed_sampler = connector.use_distributed_sampler
         connector.use_distributed_sampler = False

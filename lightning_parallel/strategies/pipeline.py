@@ -29,7 +29,6 @@ from lightning_parallel.pipeline.runtime import PipelineRuntime, put_gradients, 
 from lightning_parallel.pipeline.schedule_plan import SCHEDULES, ScheduleSpec, analytic_bubble, resolve_schedule
 from lightning_parallel.pipeline.split import NetworkSplit, network_split
 from lightning_parallel.pipeline.tied import TiedGroup, broadcast_tied_values, counted_elsewhere, sum_tied_gradients
-from lightning_parallel.precision import agree_on_overflow, clip_grad_norm_global
 from lightning_parallel.strategies.arguments import check_bool, check_choice, check_int, check_name, reject
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
 from lightning_parallel.strategies.user_step import (
@@ -216,36 +215,32 @@ class PipelineParallelStrategy(MeshStrategy):
             yield
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None
-        self.accelerator.setup(trainer)
-        module = self.lightning_module
-        assert module is not None
+    def parallelize(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if self._runtime is not None:
+            return  # already split: later fit/validate calls reuse it
         network = self.network_of(module)
-        pp_rank = self.device_mesh.get_local_rank("pp")
-        if self._runtime is None:  # first set-up of this model: split it (later fit/validate calls reuse it)
-            step = {"fit": "training_step", "validate": "validation_step", "test": "test_step"}
-            # The network's inputs: to trace it, and for balance='time' to time its blocks on
-            needs_example = not isinstance(network, nn.Sequential) or self.balance == "time"
-            batch = self.first_batch(trainer) if needs_example else None
-            fn = trainer.state.fn.value if trainer.state.fn is not None else "predict"
-            self._example = self._example_inputs(module, batch, step.get(fn, "predict_step"))
-            self._split = network_split(network, self._example)
-            costs = self._measured_costs(network) if self.balance == "time" else None
-            self._partition = self._plan_split(self._split, costs)
-            self._split.prune(self.partition.blocks_of(pp_rank))
-            materialize(network, self.root_device)
-            broadcast_tied_values(network, self._tied, self.group("pp"))
-            if self.deferred_batchnorm:
-                self._batchnorms = defer_batchnorm(network)
-        self.model = self.precision_plugin.convert_module(module)
-        self.model_to_device()
-        if self._runtime is None:
-            self._micro_steps = MicroSteps(module, network, self._user_step)
-            self._runtime = self._build_runtime(pp_rank)
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
-        if self._scaler is not None:
-            agree_on_overflow(self._scaler)
+        step = {"fit": "training_step", "validate": "validation_step", "test": "test_step"}
+        # The network's inputs: to trace it, and for balance='time' to time its blocks on
+        needs_example = not isinstance(network, nn.Sequential) or self.balance == "time"
+        batch = self.first_batch(trainer) if needs_example else None
+        fn = trainer.state.fn.value if trainer.state.fn is not None else "predict"
+        self._example = self._example_inputs(module, batch, step.get(fn, "predict_step"))
+        self._split = network_split(network, self._example)
+        costs = self._measured_costs(network) if self.balance == "time" else None
+        self._partition = self._plan_split(self._split, costs)
+        self._split.prune(self.partition.blocks_of(self.pp_rank))
+        materialize(network, self.root_device)
+        broadcast_tied_values(network, self._tied, self.group("pp"))
+        if self.deferred_batchnorm:
+            self._batchnorms = defer_batchnorm(network)
+
+    @override
+    def on_device(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if self._runtime is not None:
+            return
+        network = self.network_of(module)
+        self._micro_steps = MicroSteps(module, network, self._user_step)
+        self._runtime = self._build_runtime(self.pp_rank)
         if self.global_rank == 0:
             rank_zero_info(
                 f"PipelineParallelStrategy: {self.spec.name}, {self.describe_layout()}\n{self.partition.table()}"
@@ -258,10 +253,10 @@ class PipelineParallelStrategy(MeshStrategy):
             )
             if notice is not None:
                 rank_zero_warn(notice)
-        self.barrier()
-        if trainer.state.fn == "fit":
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
+
+    @property
+    def pp_rank(self) -> int:
+        return self.device_mesh.get_local_rank("pp")
 
     def _build_runtime(self, pp_rank: int) -> PipelineRuntime:
         partition, split = self.partition, self._split
@@ -418,11 +413,13 @@ class PipelineParallelStrategy(MeshStrategy):
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        network = self.network_of(self.lightning_module)
-        counted = counted_elsewhere(network, self._tied, self.device_mesh.get_local_rank("pp"))
-        clip_grad_norm_global(params, float(clip_val), group=self.group("pp"), shared=counted)
+    @override
+    def norm_group(self) -> dist.ProcessGroup:
+        return self.group("pp")  # every stage of this replica; DTensor shards are summed over "tp" on their own
+
+    @override
+    def counted_elsewhere(self) -> set[int]:
+        return counted_elsewhere(self.network_of(self.lightning_module), self._tied, self.pp_rank)
 
     # ---- evaluation ----------------------------------------------------------------------------
     def _evaluating(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -25,7 +25,6 @@ from typing_extensions import override
 
 from lightning_parallel.dims import ParallelDims
 from lightning_parallel.models.init import materialize
-from lightning_parallel.precision import clip_grad_norm_global, clip_grad_value_mixed
 from lightning_parallel.strategies.arguments import check_bool, check_choice, check_int, check_name, reject
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
 from lightning_parallel.tensor.pairing import auto_plan
@@ -137,32 +136,24 @@ class TensorParallelStrategy(MeshStrategy):
             self.lightning_module._device_mesh = self.device_mesh
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None
-        self.accelerator.setup(trainer)
-        module = self.lightning_module
-        assert module is not None
-        if self._description is None:  # first set-up of this model; later fit/validate calls reuse it
-            self._description = self._parallelize(module, self.network_of(module))
-            if self.global_rank == 0:
-                d = self._description
-                rank_zero_info(
-                    f"TensorParallelStrategy: tp={d['tensor_parallel_size']} x dp={d['data_parallel_size']}, plan from "
-                    f"{d['plan_source']}: {len(d['sharded'])} modules sharded, {len(d['replicated'])} replicated; "
-                    f"parameter bytes per rank {d['parameter_bytes_per_rank']}\n"
-                    f"  sharded: {_names(d['sharded'])}\n  replicated: {_names(d['replicated'])}"
-                )
-        self.model = self.precision_plugin.convert_module(module)
-        self.model_to_device()
+    def parallelize(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if self._description is not None:
+            return  # already sharded: later fit/validate calls reuse it
+        self._description = self._parallelize(module, self.network_of(module))
+        if self.global_rank == 0:
+            d = self._description
+            rank_zero_info(
+                f"TensorParallelStrategy: tp={d['tensor_parallel_size']} x dp={d['data_parallel_size']}, plan from "
+                f"{d['plan_source']}: {len(d['sharded'])} modules sharded, {len(d['replicated'])} replicated; "
+                f"parameter bytes per rank {d['parameter_bytes_per_rank']}\n"
+                f"  sharded: {_names(d['sharded'])}\n  replicated: {_names(d['replicated'])}"
+            )
+
+    @override
+    def on_device(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         for handle in self._gradient_hooks:  # a later fit/validate sets up again
             handle.remove()
         self._gradient_hooks = keep_gradients_sharded(self.network_of(module))
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
-        self.precision_plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
-        self.barrier()
-        if trainer.state.fn == "fit":
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
 
     def _parallelize(self, module: pl.LightningModule, network: nn.Module) -> dict[str, Any]:
         replicated_why: dict[str, str] = {}
@@ -245,14 +236,6 @@ class TensorParallelStrategy(MeshStrategy):
             if local.is_floating_point():
                 dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.group("dp"))
                 local.div_(self.dims.dp)
-
-    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_global(params, float(clip_val))  # DTensor grads are summed over their own meshes
-
-    def _clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_value_mixed(params, float(clip_val))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_parallel.seams import conv_forward
+
 __all__ = ["BatchNormParallel", "ConvColwiseParallel", "ConvRowwiseParallel"]
 
 
@@ -117,13 +119,13 @@ def _column_forward(conv: nn.Conv2d, mesh: DeviceMesh, x: torch.Tensor) -> torch
     )
     # Identity forward; backward, each rank's input gradient covers only its output channels: sum them.
     x = full.to_local(grad_placements=[Partial()])  # (B, C_in, H, W)
-    return conv._conv_forward(x, _local(conv.weight), _local_or_none(conv.bias))  # (B, C_out / tp, H', W')
+    return conv_forward(conv)(x, _local(conv.weight), _local_or_none(conv.bias))  # (B, C_out / tp, H', W')
 
 
 def _row_forward(conv: nn.Conv2d, mesh: DeviceMesh, x: torch.Tensor) -> torch.Tensor:
     if isinstance(x, DTensor):
         x = x.redistribute(mesh, [Shard(1)]).to_local()  # (B, C_in / tp, H, W)
-    partial_sum = conv._conv_forward(x, _local(conv.weight), None)  # (B, C_out, H', W'), this rank's inputs only
+    partial_sum = conv_forward(conv)(x, _local(conv.weight), None)  # (B, C_out, H', W'), this rank's inputs only
     out = DTensor.from_local(
         partial_sum, mesh, [Partial()], run_check=False
     ).full_tensor()  # all-reduce; gradient passes through

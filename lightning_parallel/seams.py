@@ -1,0 +1,90 @@
+"""The private parts of torch and Lightning this project relies on, each reached through one function here.
+
+Each function checks that the part is still there and has the shape assumed, and otherwise fails with one line
+naming the part, the installed version and the version tested, instead of a silent wrong result or an
+AttributeError deep inside a run. This is why torch is pinned to one version; a new version starts here.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import torch
+
+TESTED = {"torch": "2.13.0", "lightning": "2.6.6"}
+
+
+class SeamChanged(RuntimeError):
+    """A private part of torch or Lightning that lightning_parallel relies on is missing or changed shape."""
+
+
+def changed(library: str, part: str, why: str) -> SeamChanged:
+    """The one-line error for a seam that no longer holds."""
+    try:
+        installed = version(library)
+    except PackageNotFoundError:  # pragma: no cover - both are dependencies
+        installed = "not installed"
+    return SeamChanged(
+        f"{library} {installed} changed {part}, which lightning_parallel relies on to {why} (tested with "
+        f"{library} {TESTED[library]}). HINT: pip install {library}=={TESTED[library]}, or adapt "
+        f"lightning_parallel/seams.py"
+    )
+
+
+def private_method(owner: object, name: str, *, library: str, why: str, parameters: int | None = None) -> Callable:
+    """`owner.<name>`, checked to be callable and, if given, to take `parameters` arguments (bound `self` excluded)."""
+    method = getattr(owner, name, None)
+    if not callable(method):
+        raise changed(library, f"{type(owner).__name__}.{name}", why)
+    if parameters is not None and len(inspect.signature(method).parameters) != parameters:
+        raise changed(library, f"the signature of {type(owner).__name__}.{name}", why)
+    return method
+
+
+def shape_inference(schedule: object) -> Callable[..., Any]:
+    """torch.distributed.pipelining's first-step shape inference (`_initialize_pp_stages`), which runs an extra
+    forward that the runtime must keep from touching BatchNorm statistics and user code."""
+    return private_method(
+        schedule, "_initialize_pp_stages", library="torch", why="keep shape inference away from module buffers"
+    )
+
+
+def conv_forward(conv: torch.nn.Conv2d) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    """`Conv2d._conv_forward(input, weight, bias)`: the convolution with the module's padding mode and stride but
+    with other weights (a rank's shard), so channel-parallel convolutions need not copy torch's padding logic."""
+    return private_method(conv, "_conv_forward", library="torch", why="run a convolution on shards", parameters=3)
+
+
+def found_inf_flags(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The found-inf flags `GradScaler.unscale_` recorded for `optimizer` (one per device), which every pipeline
+    stage must agree on before `GradScaler.step` reads them."""
+    why = "make every pipeline stage skip the same fp16 steps"
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if not isinstance(states, dict):
+        raise changed("torch", "GradScaler._per_optimizer_states", why)
+    flags = states.get(id(optimizer), {}).get("found_inf_per_device")
+    if not isinstance(flags, dict) or not all(isinstance(f, torch.Tensor) for f in flags.values()):
+        raise changed("torch", "GradScaler._per_optimizer_states[...]['found_inf_per_device']", why)
+    return list(flags.values())
+
+
+def action_order(schedule: object) -> dict[int, list[Any]]:
+    """An action-list schedule's per-rank actions including communication (`pipeline_order_with_comms`), which
+    evaluation edits to drop backward actions torch would otherwise walk without a loss."""
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if not isinstance(order, dict):
+        raise changed("torch", f"{type(schedule).__name__}.pipeline_order_with_comms", "evaluate forward-only")
+    return order
+
+
+def stage_backward_calls(stage: object) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """`PipelineStage.backward_one_chunk(..., full_backward=)` and `backward_weight_one_chunk`, the calls
+    split-backward schedules make for their I and W passes, which the stage timer wraps to time them."""
+    why = "time split-backward passes"
+    backward = private_method(stage, "backward_one_chunk", library="torch", why=why)
+    if "full_backward" not in inspect.signature(backward).parameters:
+        raise changed("torch", "the signature of PipelineStage.backward_one_chunk", why)
+    return backward, private_method(stage, "backward_weight_one_chunk", library="torch", why=why)

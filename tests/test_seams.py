@@ -1,0 +1,101 @@
+"""The private parts of torch and Lightning we rely on (`lightning_parallel.seams`): each check passes on the pinned
+versions and fails with one line naming the part and the fix when the part is gone or changed shape; the precision
+plugin the strategies use is the user's own, re-classed, with an overflow-agreeing GradScaler."""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import Schedule1F1B
+
+from lightning_parallel import seams
+from lightning_parallel.precision import AgreeingGradScaler
+from lightning_parallel.strategies.mesh_precision import MeshClipping, mesh_precision
+
+
+def test_the_pinned_torch_has_every_seam() -> None:
+    assert callable(seams.shape_inference(Schedule1F1B))
+    backward, weight = seams.stage_backward_calls(PipelineStage)
+    assert callable(backward) and callable(weight)
+    conv = nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")
+    x = torch.randn(2, 3, 5, 5)
+    assert torch.equal(seams.conv_forward(conv)(x, conv.weight, conv.bias), conv(x))
+
+
+class _Gone:
+    pass
+
+
+class _Reshaped:
+    def _conv_forward(self, x: torch.Tensor) -> torch.Tensor:  # one argument fewer than torch 2.13's
+        return x
+
+
+@pytest.mark.parametrize(
+    ("check", "part"),
+    [
+        (lambda: seams.shape_inference(_Gone()), "_Gone._initialize_pp_stages"),
+        (lambda: seams.conv_forward(_Reshaped()), "the signature of _Reshaped._conv_forward"),  # type: ignore[arg-type]
+        (lambda: seams.action_order(_Gone()), "_Gone.pipeline_order_with_comms"),
+        (lambda: seams.stage_backward_calls(_Gone()), "_Gone.backward_one_chunk"),
+        (lambda: seams.found_inf_flags(_Gone(), None), "GradScaler._per_optimizer_states"),  # type: ignore[arg-type]
+    ],
+)
+def test_a_changed_seam_is_named_in_one_line(check: Any, part: str) -> None:
+    with pytest.raises(seams.SeamChanged) as error:
+        check()
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(f"torch {version('torch')} changed {part}")
+    assert "tested with torch 2.13.0" in message and "HINT: pip install torch==2.13.0" in message
+
+
+@pytest.fixture
+def one_process_group() -> Any:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("value", [1.0, float("inf")])
+def test_the_agreeing_scaler_records_overflow_like_torchs(one_process_group: Any, value: float) -> None:
+    layer = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    scaler = AgreeingGradScaler("cpu", init_scale=4.0)
+    scaler.scale(layer(torch.full((1, 2), value)).sum()).backward()
+    scaler.unscale_(optimizer)
+    flags = seams.found_inf_flags(scaler, optimizer)
+    assert [float(f) for f in flags] == [float(value == float("inf"))]
+    before = layer.weight.detach().clone()
+    scaler.step(optimizer)
+    scaler.update()
+    assert torch.equal(layer.weight, before) == (value == float("inf"))  # an overflow skips the step
+    assert scaler.get_scale() == (2.0 if value == float("inf") else 4.0)
+
+
+@pytest.mark.parametrize(
+    "plugin",
+    [Precision(), HalfPrecision("bf16-true"), MixedPrecision("bf16-mixed", "cpu")],
+    ids=["32-true", "bf16-true", "bf16-mixed"],
+)
+def test_mesh_precision_keeps_the_users_plugin(plugin: Precision) -> None:
+    base = type(plugin)
+    strategy = object()
+    mesh = mesh_precision(plugin, strategy)  # type: ignore[arg-type]
+    assert mesh is plugin and isinstance(mesh, base) and isinstance(mesh, MeshClipping)
+    assert type(mesh).__name__ == f"Mesh{base.__name__}" and mesh.mesh_strategy is strategy
+    assert mesh_precision(mesh, strategy) is mesh and type(mesh).__mro__.count(MeshClipping) == 1  # type: ignore[arg-type]
+
+
+def test_mesh_precision_swaps_in_an_agreeing_scaler_with_the_same_state() -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=7)
+    plugin = mesh_precision(MixedPrecision("16-mixed", "cpu", scaler=scaler), object())  # type: ignore[arg-type]
+    assert isinstance(plugin.scaler, AgreeingGradScaler)  # type: ignore[attr-defined]
+    assert plugin.scaler.state_dict() == scaler.state_dict()  # type: ignore[attr-defined]
