@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 import re
 import warnings
 from pathlib import Path
@@ -59,9 +60,31 @@ def check_integers(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={value} must be {accepted}. HINT: {key}={example}")
 
 
+# key -> (smallest value allowed, or 0 excluded when None; nullable; example): real numbers train.py hands on
+NUMBER_KEYS: dict[str, tuple[float | None, bool, str]] = {
+    "optimizer.lr": (None, False, "3.0e-3"),
+    "trainer.gradient_clip_val": (0.0, True, "1.0"),  # 0 = no clipping, as in Lightning
+}
+
+
+def check_numbers(cfg: DictConfig) -> None:
+    """Every key of NUMBER_KEYS present in `cfg` holds a finite number in range (not a bool or a string)."""
+    for key, (minimum, nullable, example) in NUMBER_KEYS.items():
+        value = OmegaConf.select(cfg, key, default=KeyError)
+        if value is KeyError or (value is None and nullable):
+            continue
+        number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if not number or (value <= 0 if minimum is None else value < minimum):
+            accepted = "a positive number" if minimum is None else f"a number >= {minimum:g}"
+            raise ConfigError(
+                f"{key}={value} must be {accepted}" + (" or null" if nullable else "") + f". HINT: {key}={example}"
+            )
+
+
 def check_config(cfg: DictConfig) -> None:
     """Reject configurations that cannot work, before anything is built or launched."""
     check_integers(cfg)
+    check_numbers(cfg)
     devices = cfg.trainer.devices
     if isinstance(devices, int) and devices < 1 and devices != -1:
         raise ConfigError(f"trainer.devices={devices}: a run needs at least one device. HINT: trainer.devices=1")

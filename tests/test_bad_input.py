@@ -101,6 +101,10 @@ CONFIG = {
     "pipeline timeout=-1": (["strategy=pipeline", "strategy.timeout=-1"], "timeout must be a positive number"),
     "pipeline timeout=abc": (["strategy=pipeline", "strategy.timeout=abc"], "got 'abc' (str). HINT: timeout=300"),
     "tensor plan": (["strategy=tensor", "strategy.plan=megatron"], "TensorParallelStrategy(plan='megatron')"),
+    "ddp timeout=abc": (["strategy=ddp", "strategy.timeout=abc"], "DDPStrategy(timeout='abc'): timeout must be"),
+    "lr=abc": (["optimizer.lr=abc"], "optimizer.lr=abc must be a positive number. HINT: optimizer.lr=3.0e-3"),
+    "lr=0": (["optimizer.lr=0"], "optimizer.lr=0 must be a positive number"),
+    "clip=-1": (["trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val=-1 must be a number >= 0 or null"),
     "misspelt pipeline key": (
         ["strategy=pipeline", "+strategy.microbatchs=4"],
         "strategy.microbatchs is not an argument of PipelineParallelStrategy. HINT: did you mean strategy.microbatches",

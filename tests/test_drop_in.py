@@ -112,11 +112,30 @@ class Manual(Classifier):
         self.automatic_optimization = False
 
 
+class PairBlock(torch.nn.Module):
+    """Returns (features, a side value): fine on one device when the next block unpacks it, not across stages."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x.mean(dim=1, keepdim=True)
+
+
+class Unpack(torch.nn.Module):
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return pair[0] + pair[1]
+
+
+class TupleBlock(Classifier):
+    def __init__(self) -> None:
+        net = sequential_mlp()
+        super().__init__(torch.nn.Sequential(net[0], PairBlock(), Unpack(), *list(net)[1:]))
+
+
 @pytest.mark.parametrize(
     ("module", "expected"),
     [
         (TwoNetworks, "cannot tell which attribute of TwoNetworks is the network (candidates ['model', 'teacher'])"),
         (Manual, "Manual uses manual optimization"),
+        (TupleBlock, "block '1' (PairBlock) of the nn.Sequential returns a tuple"),
     ],
 )
 def test_pipeline_refuses_before_launch(module, expected: str) -> None:

@@ -140,6 +140,8 @@ class TracedSplit(NetworkSplit):
 def network_split(network: nn.Module, example: tuple[torch.Tensor, ...] | None) -> NetworkSplit:
     """The split for this network; a non-Sequential network needs an example of its inputs to be traced."""
     if isinstance(network, nn.Sequential):
+        if example is not None and len(example) == 1:
+            check_block_outputs(network, example[0])
         return NetworkSplit(network)
     if example is None:
         raise ValueError(
@@ -147,3 +149,31 @@ def network_split(network: nn.Module, example: tuple[torch.Tensor, ...] | None) 
             "input. HINT: set `self.example_input_array` on the LightningModule, or pass a DataLoader or datamodule"
         )
     return TracedSplit(network, example)
+
+
+def check_block_outputs(network: nn.Sequential, example: torch.Tensor) -> None:
+    """Stages of an nn.Sequential hand one tensor from block to block; a block that returns a tuple (or a dict)
+    would reach the next stage as several inputs or fail in the next block with torch's own words. One row is
+    run through the blocks in eval mode (no running statistics touched) to name such a block before any step."""
+    children = list(network.named_children())
+    modes = [m.training for m in network.modules()]
+    on_meta = any(p.is_meta for p in network.parameters())
+    value: object = example[:1].to("meta") if on_meta else example[:1]
+    try:
+        network.eval()
+        with torch.no_grad():
+            for name, block in children[:-1]:
+                try:
+                    value = block(value)
+                except Exception:  # noqa: BLE001 - e.g. an op without a meta kernel: leave it to the run itself
+                    return
+                if not isinstance(value, torch.Tensor):
+                    raise ValueError(
+                        f"block {name!r} ({type(block).__name__}) of the nn.Sequential returns a "
+                        f"{type(value).__name__}, and pipeline stages pass one tensor from block to block. HINT: "
+                        "return one tensor from it (keep the other values inside the block), or write the network "
+                        "as an nn.Module with its own forward, which is split by tracing"
+                    )
+    finally:
+        for module, mode in zip(network.modules(), modes, strict=True):
+            module.training = mode

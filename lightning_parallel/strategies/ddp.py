@@ -4,10 +4,17 @@ is left running (Lightning stops its children only on Ctrl+C)."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+from typing import Any
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from typing_extensions import override
 
+from lightning_parallel.strategies.arguments import check_timeout
 from lightning_parallel.strategies.peers import PeerFailure, check_nodes, stop_peers
+
+DEFAULT_TIMEOUT = default_pg_timeout  # Lightning's own default
 
 
 class DDPStrategy(LightningDDPStrategy):
@@ -15,6 +22,12 @@ class DDPStrategy(LightningDDPStrategy):
     launch and stopping every rank when one fails."""
 
     peer_failure: PeerFailure | None = None
+
+    def __init__(self, *, timeout: float | timedelta | None = DEFAULT_TIMEOUT, **kwargs: Any) -> None:
+        if timeout is not None:
+            check_timeout(self, timeout)  # Lightning would pass anything on to torch, after launch
+            timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        super().__init__(timeout=timeout, **kwargs)
 
     @override
     def _configure_launcher(self) -> None:

@@ -9,7 +9,7 @@ Splitting math lives in `pipeline/partition.py`, the schedule mechanics in `pipe
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from datetime import timedelta
 from typing import Any
 
@@ -219,10 +219,15 @@ class PipelineParallelStrategy(MeshStrategy):
         if self._runtime is not None:
             return  # already split: later fit/validate calls reuse it
         network = self.network_of(module)
+        batch = None
         step = {"fit": "training_step", "validate": "validation_step", "test": "test_step"}
-        # The network's inputs: to trace it, and for balance='time' to time its blocks on
-        needs_example = not isinstance(network, nn.Sequential) or self.balance == "time"
-        batch = self.first_batch(trainer) if needs_example else None
+        # The network's inputs: to trace it, to time its blocks on (balance='time'), and for a Sequential, when the
+        # data offers a batch, to check that its blocks pass one tensor on (`split.check_block_outputs`)
+        if not isinstance(network, nn.Sequential) or self.balance == "time":
+            batch = self.first_batch(trainer)
+        else:
+            with suppress(Exception):  # a check only: no batch to check on is no error
+                batch = self.first_batch(trainer)
         fn = trainer.state.fn.value if trainer.state.fn is not None else "predict"
         self._example = self._example_inputs(module, batch, step.get(fn, "predict_step"))
         self._split = network_split(network, self._example)
