@@ -8,7 +8,7 @@ Splitting math lives in `pipeline/partition.py`, the schedule mechanics in `pipe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext, suppress
 from datetime import timedelta
 from typing import Any
@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_parallel.dims import ParallelDims
@@ -31,6 +33,7 @@ from lightning_parallel.pipeline.split import NetworkSplit, network_split
 from lightning_parallel.pipeline.tied import TiedGroup, broadcast_tied_values, counted_elsewhere, sum_tied_gradients
 from lightning_parallel.strategies.arguments import check_bool, check_choice, check_int, check_name, reject
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
+from lightning_parallel.strategies.tensor import broadcast_within, check_plan_argument, resolve_plan
 from lightning_parallel.strategies.user_step import (
     MicroSteps,
     StepRefused,
@@ -38,6 +41,7 @@ from lightning_parallel.strategies.user_step import (
     replay_logs,
     swap_attribute,
 )
+from lightning_parallel.tensor.plans import apply_plan, keep_gradients_sharded
 
 BALANCES = ("flops", "parameters", "time")  # how a split is balanced, besides explicit block names per stage
 
@@ -52,7 +56,14 @@ class PipelineParallelStrategy(MeshStrategy):
         microbatches: micro-batches per step (default 2 x stages); fewer when a batch needs it.
         schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zero_bubble, zbv, dualpipev.
         stages_per_rank: virtual stages per rank for multi-stage schedules (default 2 for them, else 1).
-        data_parallel_size: replicas; devices = data_parallel_size x pipeline stages.
+        pipeline_parallel_size: pipeline ranks; None derives it from the devices (with data_parallel_size 1 when
+            that is None too).
+        data_parallel_size: replicas; devices = data_parallel_size x pipeline ranks x tensor_parallel_size. None
+            derives it from the devices when pipeline_parallel_size is given, else means 1.
+        tensor_parallel_size: ranks sharing each stage's layers (tensor parallelism inside every stage, "3D" with
+            data parallelism); 1 = none. The stages' layers are sharded by `plan`.
+        plan: with tensor_parallel_size > 1, {module pattern: style} (see `lightning_parallel.tensor.STYLES`),
+            "auto", or None for the network's own `tp_plan` (else "auto"), as in TensorParallelStrategy.
         balance: "flops" (estimated compute; the default for traced networks), "parameters" (the default for an
             nn.Sequential), "time" (measure each block of an nn.Sequential), or explicit block names per stage.
         deferred_batchnorm: update BatchNorm running statistics once per mini-batch from all its
@@ -70,7 +81,10 @@ class PipelineParallelStrategy(MeshStrategy):
         microbatches: int | None = None,
         schedule: str = "1f1b",
         stages_per_rank: int | None = None,
-        data_parallel_size: int = 1,
+        pipeline_parallel_size: int | None = None,
+        data_parallel_size: int | None = None,
+        tensor_parallel_size: int = 1,
+        plan: Mapping[str, str] | str | None = None,
         balance: str | Sequence[Sequence[str]] | None = None,
         deferred_batchnorm: bool = False,
         network_attr: str | None = None,
@@ -82,7 +96,10 @@ class PipelineParallelStrategy(MeshStrategy):
         check_int(self, "microbatches", microbatches, example=4, optional=True)
         check_choice(self, "schedule", schedule, SCHEDULES, example="1f1b")
         check_int(self, "stages_per_rank", stages_per_rank, example=2, optional=True)
-        check_int(self, "data_parallel_size", data_parallel_size, example=1)
+        check_int(self, "pipeline_parallel_size", pipeline_parallel_size, example=2, optional=True)
+        check_int(self, "data_parallel_size", data_parallel_size, example=1, optional=True)
+        check_int(self, "tensor_parallel_size", tensor_parallel_size, example=2)
+        check_plan_argument(self, plan)
         # block names per stage are checked against the network before launch (`partition.split_explicit`)
         explicit = isinstance(balance, Sequence) and not isinstance(balance, str)
         if not (balance is None or balance in BALANCES or explicit):
@@ -93,7 +110,12 @@ class PipelineParallelStrategy(MeshStrategy):
         self.schedule = schedule
         self._microbatches = microbatches
         self._stages_per_rank = stages_per_rank
+        self.pipeline_parallel_size = pipeline_parallel_size
         self.data_parallel_size = data_parallel_size
+        self.tensor_parallel_size = tensor_parallel_size
+        self.plan = dict(plan) if isinstance(plan, Mapping) else plan
+        self._tensor_plan: tuple[str, dict[str, str], dict[str, str]] | None = None
+        self._gradient_hooks: list[RemovableHandle] = []
         self.balance = balance
         self.deferred_batchnorm = deferred_batchnorm
         self._batchnorms: list[nn.Module] = []
@@ -113,7 +135,10 @@ class PipelineParallelStrategy(MeshStrategy):
     # ---- sizes and validation (main process, before launch) -------------------------------------
     @override
     def resolve_dims(self, world_size: int) -> ParallelDims:
-        dims = ParallelDims.resolve(world_size, dp=self.data_parallel_size, pp=None, tp=1)
+        dp, pp = self.data_parallel_size, self.pipeline_parallel_size
+        if dp is None and pp is None:
+            dp = 1  # the pipeline takes every device left
+        dims = ParallelDims.resolve(world_size, dp=dp, pp=pp, tp=self.tensor_parallel_size)
         self._spec = resolve_schedule(
             self.schedule,
             pp=dims.pp,
@@ -149,12 +174,24 @@ class PipelineParallelStrategy(MeshStrategy):
                 "strategy='ddp' / 'tensor'"
             )
         self.refuse_meta_outside(module, network)
+        if self.dims.tp > 1:
+            self._check_tensor_plan(network)
         example = self._example_inputs(module, batch, "training_step")
         if example is None and not isinstance(network, nn.Sequential):
             return  # traced in setup, where the data module's first batch exists
         # Checks the split is possible (it traces, enough blocks, a valid explicit split); a time-balanced
         # split is measured later, in setup, where a sample batch exists.
         self._plan_split(network_split(network, example), None)
+
+    def _check_tensor_plan(self, network: nn.Module) -> tuple[str, dict[str, str], dict[str, str]]:
+        """Tensor parallelism inside stages: an nn.Sequential's plan, resolved on the whole network."""
+        if not isinstance(network, nn.Sequential):
+            raise ValueError(
+                f"tensor_parallel_size={self.dims.tp} inside pipeline stages needs the network as an nn.Sequential of "
+                f"blocks; {type(network).__name__} is split by tracing, which does not shard. HINT: write the network "
+                "as an nn.Sequential (as models/ does), or use tensor_parallel_size=1"
+            )
+        return resolve_plan(network, self.plan, tensor_parallel_size=self.dims.tp, sequence_parallel=False)
 
     def network_of(self, module: pl.LightningModule) -> nn.Module:
         return self.find_network(module, nn.Module, "pipeline parallelism needs the network as an nn.Module")
@@ -233,17 +270,33 @@ class PipelineParallelStrategy(MeshStrategy):
         self._split = network_split(network, self._example)
         costs = self._measured_costs(network) if self.balance == "time" else None
         self._partition = self._plan_split(self._split, costs)
+        if self.dims.tp > 1:
+            self._tensor_plan = self._check_tensor_plan(network)  # on the whole network, before pruning
         self._split.prune(self.partition.blocks_of(self.pp_rank))
         materialize(network, self.root_device)
         broadcast_tied_values(network, self._tied, self.group("pp"))
+        if self._tensor_plan is not None:
+            self._shard_stage(network, self._tensor_plan[1])
         if self.deferred_batchnorm:
             self._batchnorms = defer_batchnorm(network)
 
+    def _shard_stage(self, network: nn.Module, plan: dict[str, str]) -> None:
+        """Shard this rank's blocks with the part of the plan that names them, over the "tp" mesh dimension.
+        Tensor peers of a stage start from the first one's values (the same ones, when initialised by name)."""
+        broadcast_within(network, self.group("tp"))
+        held = {name for name, mod in network.named_modules() if any(True for _ in mod.parameters())}
+        local = {name: style for name, style in plan.items() if name in held}  # pruned blocks are Identity
+        apply_plan(network, local, self.device_mesh["tp"], sequence_parallel=False)
+
     @override
     def on_device(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        network = self.network_of(module)
+        if self.dims.tp > 1:  # after Module.to(), which swaps DTensor parameters and drops their hooks
+            for handle in self._gradient_hooks:
+                handle.remove()
+            self._gradient_hooks = keep_gradients_sharded(network)
         if self._runtime is not None:
             return
-        network = self.network_of(module)
         self._micro_steps = MicroSteps(module, network, self._user_step)
         self._runtime = self._build_runtime(self.pp_rank)
         if self.global_rank == 0:
@@ -282,7 +335,7 @@ class PipelineParallelStrategy(MeshStrategy):
 
     def describe_layout(self) -> str:
         return (
-            f"dp={self.dims.dp} x pp={self.dims.pp}, {len(self.partition.stages)} stages, "
+            f"dp={self.dims.dp} x pp={self.dims.pp} x tp={self.dims.tp}, {len(self.partition.stages)} stages, "
             f"{self.microbatches_for(self.dims.pp)} micro-batches requested"
         )
 
@@ -410,6 +463,7 @@ class PipelineParallelStrategy(MeshStrategy):
         grads = [p.grad for p in self.local_parameters() if p.grad is not None]
         if not grads:
             return
+        grads = [_local(g) for g in grads]  # DTensor gradients (tensor parallelism): average each rank's shard
         flat = torch.cat([g.reshape(-1).float() for g in grads])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group("dp"))
         flat /= self.dims.dp
@@ -483,9 +537,21 @@ class PipelineParallelStrategy(MeshStrategy):
             "ran": ran,
             "data_parallel_size": self.dims.dp,
             "pipeline_size": self.dims.pp,
+            "tensor_parallel_size": self.dims.tp,
+            **self._describe_tensor_plan(),
             "stages_per_rank": spec.stages_per_rank,
             "stages": [list(blocks) for blocks in partition.stages],
             "stage_to_rank": list(partition.stage_to_rank),
             "imbalance": partition.imbalance,
             "cost_unit": partition.cost_unit,
         }
+
+    def _describe_tensor_plan(self) -> dict[str, Any]:
+        if self._tensor_plan is None:
+            return {}
+        source, plan, replicated = self._tensor_plan
+        return {"plan_source": source, "sharded": dict(plan), **({"replicated_why": replicated} if replicated else {})}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

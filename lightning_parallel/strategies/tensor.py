@@ -76,12 +76,7 @@ class TensorParallelStrategy(MeshStrategy):
         super().__init__(timeout=timeout, process_group_backend=process_group_backend, **kwargs)
         check_int(self, "tensor_parallel_size", tensor_parallel_size, example=2, optional=True)
         check_int(self, "data_parallel_size", data_parallel_size, example=1, optional=True)
-        if isinstance(plan, Mapping):
-            for pattern, style in plan.items():
-                check_choice(self, f"plan[{pattern!r}]", style, STYLES, example="colwise")
-        elif plan not in (None, "auto"):
-            expected = "None (the model's own tp_plan), 'auto', or a dict {module pattern: style}"
-            reject(self, "plan", plan, expected, "plan='auto', or plan={'block_*.attn.q': 'colwise'}")
+        check_plan_argument(self, plan)
         check_bool(self, "sequence_parallel", sequence_parallel)
         check_name(self, "network_attr", network_attr, example="model")
         self.tensor_parallel_size = tensor_parallel_size
@@ -108,17 +103,9 @@ class TensorParallelStrategy(MeshStrategy):
 
     def resolve_plan(self, network: nn.Module) -> tuple[str, dict[str, str], dict[str, str]]:
         """(source, exact-name plan, why each unplanned module stays whole), checked against this run's sizes."""
-        tp = self.dims.tp
-        own = getattr(network, "tp_plan", None)
-        replicated: dict[str, str] = {}
-        if self.plan == "auto" or (self.plan is None and own is None):
-            found = auto_plan(network, tensor_parallel_size=tp)
-            source, plan, replicated = "auto", found.plan, found.replicated
-        else:
-            source = "argument" if self.plan is not None else "model"
-            plan = expand_plan(network, self.plan if isinstance(self.plan, dict) else own)  # type: ignore[arg-type]
-        check_plan(network, plan, tensor_parallel_size=tp, sequence_parallel=self.sequence_parallel)
-        return source, plan, replicated
+        return resolve_plan(
+            network, self.plan, tensor_parallel_size=self.dims.tp, sequence_parallel=self.sequence_parallel
+        )
 
     # ---- set-up in every process ---------------------------------------------------------------
     @contextmanager
@@ -163,7 +150,7 @@ class TensorParallelStrategy(MeshStrategy):
         else:
             source, plan, replicated_why = self.resolve_plan(network)  # raises on every rank before any collective
             materialize(network, self.root_device)
-            _broadcast_from_rank0(network)  # tensor peers and replicas start identical whatever each rank drew
+            broadcast_within(network)  # tensor peers and replicas start identical whatever each rank drew
             apply_plan(network, plan, self.device_mesh["tp"], sequence_parallel=self.sequence_parallel)
         if self.dims.dp > 1:
             self._shard_over_replicas(module, network)
@@ -238,6 +225,41 @@ class TensorParallelStrategy(MeshStrategy):
                 local.div_(self.dims.dp)
 
 
+def check_plan_argument(owner: object, plan: object) -> None:
+    """A `plan` argument is None, "auto", or {module pattern: style name}; checked in the constructor."""
+    if isinstance(plan, Mapping):
+        for pattern, style in plan.items():
+            check_choice(owner, f"plan[{pattern!r}]", style, STYLES, example="colwise")
+    elif plan not in (None, "auto"):
+        expected = "None (the model's own tp_plan), 'auto', or a dict {module pattern: style}"
+        reject(owner, "plan", plan, expected, "plan='auto', or plan={'block_*.attn.q': 'colwise'}")
+
+
+def resolve_plan(
+    network: nn.Module, plan: Mapping[str, str] | str | None, *, tensor_parallel_size: int, sequence_parallel: bool
+) -> tuple[str, dict[str, str], dict[str, str]]:
+    """(source, exact-name plan, why each unplanned module stays whole): the `plan` argument, else the network's
+    own `tp_plan`, else the automatic plan; checked against `tensor_parallel_size` (raises ValueError with a fix)."""
+    own = getattr(network, "tp_plan", None)
+    replicated: dict[str, str] = {}
+    if plan == "auto" or (plan is None and own is None):
+        found = auto_plan(network, tensor_parallel_size=tensor_parallel_size)
+        source, exact, replicated = "auto", found.plan, found.replicated
+    else:
+        source = "argument" if plan is not None else "model"
+        exact = expand_plan(network, plan if isinstance(plan, Mapping) else own)  # type: ignore[arg-type]
+    check_plan(network, exact, tensor_parallel_size=tensor_parallel_size, sequence_parallel=sequence_parallel)
+    return source, exact, replicated
+
+
+def broadcast_within(network: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Every rank of `group` (default: all) takes the values of the group's first rank, whatever each drew."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for tensor in [*network.parameters(), *network.buffers()]:
+            dist.broadcast(tensor.data, src=src, group=group)
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -250,12 +272,6 @@ def _spans(param: torch.Tensor, dim: str, *, sharded: bool = False) -> bool:
     return any(
         name == dim and not (sharded and p.is_replicate()) for name, p in zip(names, param.placements, strict=True)
     )
-
-
-def _broadcast_from_rank0(network: nn.Module) -> None:
-    with torch.no_grad():
-        for tensor in [*network.parameters(), *network.buffers()]:
-            dist.broadcast(tensor.data, src=0)
 
 
 def _names(items: Any, shown: int = 8) -> str:

@@ -1,0 +1,83 @@
+"""Parity of pipeline x tensor (x data) parallelism, "3D": PipelineParallelStrategy with tensor_parallel_size > 1
+shards each stage's layers with the model's plan; losses and final parameters match one process with the same
+seed and global batch within 1e-5 (fp32), with clipping by one global norm and accumulation."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from distributed import WORKERS, run_workers
+
+sys.path.insert(0, str(WORKERS))
+from common import fit_model, local_state  # noqa: E402
+
+STEPS = 20
+CLIP = {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}
+
+
+def reference(model: str, global_batch: int, **trainer: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+    task, losses, _ = fit_model(
+        "auto", model=model, devices=1, global_batch=global_batch, replicas=1, steps=STEPS, **trainer
+    )
+    return losses, local_state(task)
+
+
+def assert_matches(
+    per_rank: list[list[dict]], index: int, ref: tuple[list[float], dict[str, torch.Tensor]], dp: int
+) -> None:
+    ref_losses, ref_state = ref
+    results = [rank[index] for rank in per_rank]
+    for result in results:
+        assert max(abs(a - b) for a, b in zip(result["losses"], ref_losses, strict=True)) < 1e-5, result["losses"]
+    size = len(results) // dp
+    for replica in range(dp):  # every replica holds the whole model over its stages
+        merged = {n: v for r in results[replica * size : (replica + 1) * size] for n, v in r["state"].items()}
+        assert merged.keys() == ref_state.keys()
+        for name, value in ref_state.items():
+            torch.testing.assert_close(merged[name], value, rtol=0, atol=1e-5, msg=name)
+
+
+def config(model: str, schedule: str, dp: int, trainer: dict | None = None) -> dict:
+    return {
+        "model": model,
+        "devices": dp * 4,
+        "global_batch": 16,
+        "steps": STEPS,
+        "trainer": trainer or {},
+        "strategy": {"schedule": schedule, "tensor_parallel_size": 2, "data_parallel_size": dp, "microbatches": 4},
+    }
+
+
+@pytest.mark.slow
+def test_pipeline_by_tensor_with_clipping_and_accumulation(tmp_path: Path) -> None:
+    configs = [config("gpt", "1f1b", 1, CLIP), config("simple_cnn", "1f1b", 1, CLIP)]
+    per_rank = run_workers("three_d", 4, configs, tmp_path)
+    for index, model in enumerate(["gpt", "simple_cnn"]):
+        assert_matches(per_rank, index, reference(model, 16, **CLIP), dp=1)
+    parallel = per_rank[0][0]["parallel"]
+    assert (parallel["data_parallel_size"], parallel["pipeline_size"], parallel["tensor_parallel_size"]) == (1, 2, 2)
+    assert parallel["plan_source"] == "model" and parallel["sharded"]["block_0.attn.q"] == "colwise"
+    shapes = {name: shape for rank in per_rank for name, shape in rank[0]["shapes"].items()}
+    state = {name: value for rank in per_rank for name, value in rank[0]["state"].items()}
+    for name in ("block_0.attn.q.weight", "block_1.mlp.down.weight", "head.lm_head.weight"):  # on both stages
+        dim = 1 if "down" in name else 0  # row-parallel layers split their inputs
+        assert shapes[name][dim] * 2 == state[name].shape[dim], (name, shapes[name], state[name].shape)
+
+
+@pytest.mark.slow
+def test_data_by_pipeline_by_tensor_on_eight_processes(tmp_path: Path) -> None:
+    runs = [("gpt", "1f1b"), ("gpt", "interleaved_1f1b"), ("simple_cnn", "1f1b")]
+    per_rank = run_workers(
+        "three_d", 8, [config(model, schedule, 2) for model, schedule in runs], tmp_path, timeout=600
+    )
+    references = {model: reference(model, 16) for model in ("gpt", "simple_cnn")}
+    for index, (model, schedule) in enumerate(runs):
+        try:
+            assert_matches(per_rank, index, references[model], dp=2)
+        except AssertionError as error:
+            raise AssertionError(f"{model} {schedule}: {error}") from error
+    assert per_rank[0][1]["parallel"]["stages_per_rank"] == 2
