@@ -1,5 +1,6 @@
-"""Sharded checkpoints: saved by 2 pipeline stages (or 2 tensor-parallel ranks), they load into one plain
-process and resume on 4, matching a straight single-process run; the export command writes one file."""
+"""Sharded checkpoints: saved on one layout (pipeline, tensor, or pipeline x tensor), they load into one plain
+process and resume on another layout, matching a straight single-process run (optimizer state included); the
+export command writes one file that loads with weights_only=True and with the task's load_from_checkpoint."""
 
 from __future__ import annotations
 
@@ -22,15 +23,24 @@ def merged(results: list[dict]) -> dict[str, torch.Tensor]:
     return {name: value for result in results for name, value in result["state"].items()}
 
 
+# (saved by, processes) -> (resumed by, processes): a layout change at every resume (dp x pp x tp in the ids)
+CHAINS = {
+    "1x2x1 -> 1x2x2": (("pipeline", 2), ("pipeline_x_tensor", 4)),
+    "1x2x2 -> 1x1x4": (("pipeline_x_tensor", 4), ("tensor", 4)),
+    "1x1x2 -> 1x4x1": (("tensor", 2), ("pipeline", 4)),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["pipeline", "tensor"])
-def test_save_on_two_ranks_load_into_one_process_and_resume_on_four(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize("chain", CHAINS)
+def test_save_load_into_one_process_and_resume_on_another_layout(tmp_path: Path, chain: str) -> None:
+    (kind, size), (resume_kind, resume_size) = CHAINS[chain]
     saved = tmp_path / "checkpoints"
     ckpt10, ckpt20 = saved / "step=10.ckpt", saved / "step=20.ckpt"
     first = run_workers(
         "checkpointing",
-        2,
-        {"strategy": kind, "size": 2, "steps": 10, "resume_from": None, "save_dir": str(saved)},
+        size,
+        {"strategy": kind, "size": size, "steps": 10, "resume_from": None, "save_dir": str(saved)},
         tmp_path / "a",
     )
     assert is_sharded_checkpoint(ckpt10) and not list(saved.glob("*.partial"))
@@ -48,11 +58,11 @@ def test_save_on_two_ranks_load_into_one_process_and_resume_on_four(tmp_path: Pa
         if name in whole:
             torch.testing.assert_close(whole[name], value, rtol=0, atol=0, msg=name)
 
-    # Resumed on 4 ranks for steps 10..19: the same losses and weights as the straight run.
+    # Resumed on another layout for steps 10..19: the same losses and weights (optimizer state included).
     second = run_workers(
         "checkpointing",
-        4,
-        {"strategy": kind, "size": 4, "steps": 20, "resume_from": str(ckpt10), "save_dir": str(saved)},
+        resume_size,
+        {"strategy": resume_kind, "size": resume_size, "steps": 20, "resume_from": str(ckpt10), "save_dir": str(saved)},
         tmp_path / "b",
     )
     assert all(result["step"] == 20 for result in second)

@@ -1,6 +1,7 @@
 """Worker: fit a tiny GPT under a pipeline or tensor-parallel strategy, optionally resuming from a checkpoint.
 
-Payload: {"strategy": "pipeline" | "tensor", "size", "steps", "resume_from" (or null), "save_dir"}.
+Payload: {"strategy": "pipeline" | "tensor" | "pipeline_x_tensor", "size", "steps", "resume_from" (or null),
+"save_dir"}.
 Lightning's ModelCheckpoint saves `step=<N>.ckpt` every 10 training steps (two epochs).
 Measured on Lightning 2.6.6 with a single process:
 a checkpoint saved by `every_n_epochs` or by `trainer.save_checkpoint` after `fit` resumes one batch
@@ -29,8 +30,11 @@ GPT_CONFIG = {"vocab_size": 16, "context_length": 8, "depth": 4, "width": 16, "h
 
 
 def make_strategy(kind: str, size: int) -> object:
+    """`size` processes: pipeline stages, tensor ranks, or pipeline x tensor with two tensor ranks per stage."""
     if kind == "pipeline":
         return PipelineParallelStrategy(schedule="1f1b", microbatches=2 * size, timeout=60)
+    if kind == "pipeline_x_tensor":
+        return PipelineParallelStrategy(schedule="1f1b", microbatches=4, tensor_parallel_size=2, timeout=60)
     return TensorParallelStrategy(tensor_parallel_size=size, timeout=60)
 
 
