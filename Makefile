@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(PY) -m pytest $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check lightning_parallel tests train.py config_checks.py benchmarks
+	$(VENV)/bin/ruff check lightning_parallel tests train.py config_checks.py plan.py benchmarks
 	$(VENV)/bin/mypy lightning_parallel
 
 clean:

@@ -12,7 +12,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable
-from functools import wraps
+from functools import partial, wraps
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,10 @@ def build_task(cfg: DictConfig, model: torch.nn.Module, data: pl.LightningDataMo
     return LanguageModelTask(model, **kwargs)
 
 
-def build_strategy(cfg: DictConfig) -> Any:
+def build_strategy(cfg: DictConfig, data: pl.LightningDataModule | None = None) -> Any:
+    if OmegaConf.is_missing(cfg.strategy, "data"):  # strategy=auto plans from this run's model and data
+        data = data if data is not None else instantiate_at(cfg, "data")
+        return instantiate_at(cfg, "strategy", model=partial(build_model, cfg, data.model_hints), data=data)
     if not cfg.strategy.get("_partial_"):
         return instantiate_at(cfg, "strategy")
     # single device: the device depends on the accelerator (built here, so a wrong argument fails in instantiate_at)
@@ -74,11 +77,12 @@ def build_strategy(cfg: DictConfig) -> Any:
     return instantiate_at(cfg, "strategy", _partial_=False, device=device)
 
 
-def build_trainer(cfg: DictConfig, summary: RunSummary) -> pl.Trainer:
+def build_trainer(cfg: DictConfig, summary: RunSummary, data: pl.LightningDataModule) -> pl.Trainer:
     """The Trainer with its strategy, callbacks (plus the run summary) and logger."""
     callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None]
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
-    return instantiate_at(cfg, "trainer", strategy=build_strategy(cfg), callbacks=[*callbacks, summary], logger=logger)
+    strategy = build_strategy(cfg, data)
+    return instantiate_at(cfg, "trainer", strategy=strategy, callbacks=[*callbacks, summary], logger=logger)
 
 
 def build(cfg: DictConfig) -> tuple[pl.Trainer, Task, pl.LightningDataModule, RunSummary, str | None]:
@@ -89,7 +93,7 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, Task, pl.LightningDataModule, Ru
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         data = instantiate_at(cfg, "data")
         summary = RunSummary()
-        trainer = build_trainer(cfg, summary)
+        trainer = build_trainer(cfg, summary, data)
         # Under a model-parallel strategy this builds on the meta device; each rank materialises its part.
         with trainer.init_module():
             model = build_model(cfg, data.model_hints)

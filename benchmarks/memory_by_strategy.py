@@ -18,15 +18,16 @@ from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from measure import machine  # noqa: E402
 
-from lightning_parallel.plan import build_workload, train_overrides  # noqa: E402
 from lightning_parallel.planner import CostModel, Layout  # noqa: E402
+from lightning_parallel.planner.presets import hardware_preset  # noqa: E402
+from lightning_parallel.strategies.layouts import train_overrides  # noqa: E402
+from plan import build_workload  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MiB = 2**20
@@ -79,7 +80,7 @@ def planner_estimate(model: list[str], layout: Layout) -> dict[str, Any]:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[*model, *DATA, "paths.output_dir=/tmp/unused"])
     workload = build_workload(cfg.model, instantiate(cfg.data), "flops")
-    hardware = instantiate(OmegaConf.load(ROOT / "conf" / "hardware" / "cpu.yaml"))
+    hardware = hardware_preset("cpu")
     estimate = CostModel(workload, hardware, precision="32-true", optimizer_states=2).estimate(
         layout, batch=int(cfg.data.batch_size)
     )
@@ -175,7 +176,7 @@ def write_report(result: dict[str, Any]) -> None:
         "",
         "## Planner vs measured",
         "",
-        f"`CostModel({result['workload']!r}, conf/hardware/cpu.yaml, precision='32-true', optimizer_states=2)"
+        f"`CostModel({result['workload']!r}, hardware preset cpu, precision='32-true', optimizer_states=2)"
         ".estimate(layout, batch=8)`: the planner's memory on the fullest device (its `memory` dict) against the "
         "fullest measured rank, and its model state per rank (parameters per pipeline rank x 16 bytes: fp32 "
         "weight, gradient and two AdamW moments) against every measured rank (largest difference shown).",

@@ -35,8 +35,8 @@ from omegaconf import DictConfig, OmegaConf
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_parallel.plan import train_overrides  # noqa: E402
-from lightning_parallel.planner import (  # noqa: E402  # noqa: E402
+from lightning_parallel.pipeline.schedules import SCHEDULE_TRAITS  # noqa: E402
+from lightning_parallel.planner import (  # noqa: E402
     CostModel,
     Hardware,
     Layout,
@@ -45,6 +45,7 @@ from lightning_parallel.planner import (  # noqa: E402  # noqa: E402
     measure_block_seconds,
     workload_from_module,
 )
+from lightning_parallel.strategies.layouts import train_overrides  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 TARGET = 0.25
@@ -69,9 +70,8 @@ MODELS: dict[str, dict[str, Any]] = {
 
 
 def pipe(dp: int, schedule: str, m: int) -> Layout:
-    return Layout(
-        dp=dp, pp=2, schedule=schedule, microbatches=m, stages_per_rank=1 if schedule in ("gpipe", "1f1b") else 2
-    )
+    v = SCHEDULE_TRAITS[schedule].default_stages_per_rank
+    return Layout(dp=dp, pp=2, schedule=schedule, microbatches=m, stages_per_rank=v)
 
 
 LAYOUTS: list[tuple[str, Layout]] = [
@@ -342,7 +342,7 @@ def write_report(result: dict[str, Any]) -> None:
         "params/rank exact: the planner's parameter bytes per pipeline rank equal summary.json's "
         "`parameter_bytes_per_rank`.",
         "",
-        "Calibrated constants (copied into `conf/hardware/cpu.yaml`): step overhead "
+        "Calibrated constants (copied into `lightning_parallel/planner/presets/hardware/cpu.yaml`): step overhead "
         f"{hw['step_overhead'] * 1e3:.2f} ms, multi-process sync overhead {hw['sync_overhead'] * 1e3:.2f} ms and DDP "
         f"wrapper overhead {hw['dp_overhead'] * 1e3:.2f} ms per step, DTensor collective overhead "
         f"{hw['collective_overhead'] * 1e3:.2f} ms per tensor-parallel / FSDP collective, Adam "

@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 _LAZY = {
     "PipelineParallelStrategy": "lightning_parallel.strategies.pipeline",
     "TensorParallelStrategy": "lightning_parallel.strategies.tensor",
+    "AutoStrategy": "lightning_parallel.strategies.auto",
     "ParallelDims": "lightning_parallel.dims",
 }
 # registry name -> (class name, description)

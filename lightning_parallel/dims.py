@@ -6,6 +6,7 @@ Pure arithmetic until `build_mesh`; it never creates a process group, it only na
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -14,6 +15,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 _AXES = ("dp", "pp", "tp")
 _LONG_NAMES = {"dp": "data-parallel size", "pp": "pipeline size", "tp": "tensor-parallel size"}
+
+
+class PlacementError(ValueError):
+    """Ranks placed so that a tensor-parallel group spans nodes; every rank raises the same one (so a caller
+    prints it once)."""
+
+    same_on_every_rank = True
 
 
 def _factors(sizes: dict[str, int]) -> str:
@@ -131,6 +139,49 @@ class ParallelDims:
                 "HINT: pass a global rank of this run."
             )
         return rank // (self.pp * self.tp), (rank // self.tp) % self.pp, rank % self.tp
+
+    def check_tp_fits_nodes(self, devices_per_node: int) -> None:
+        """Before launch: every tensor-parallel group lies on one node. Launchers number ranks node by node and
+        tensor-parallel peers are adjacent ranks, so that holds exactly when tp divides the devices per node;
+        otherwise the most frequent collectives of every layer would cross the network.
+
+        Raises:
+            ValueError: tp does not divide ``devices_per_node`` (one line with the sizes and a layout that fits).
+        """
+        if devices_per_node % self.tp == 0:
+            return
+        nodes = self.world_size // devices_per_node
+        fits = math.gcd(self.tp, devices_per_node)
+        moved = self.tp // fits  # the factor that leaves the node moves to the pipeline (or data-parallel) size
+        raise ValueError(
+            f"tp({self.tp}) does not divide the {devices_per_node} devices per node ({nodes} nodes x "
+            f"{devices_per_node}), so a tensor-parallel group would span nodes. HINT: keep tp inside a node, e.g. "
+            f"dp={self.dp * moved}, pp={self.pp}, tp={fits} or dp={self.dp}, pp={self.pp * moved}, tp={fits}; or "
+            f"put a multiple of {self.tp} devices on each node"
+        )
+
+    def check_tp_placement(self, node_of_rank: Sequence[int]) -> None:
+        """After the rendezvous: the node each global rank actually runs on (gathered from every rank) keeps each
+        tensor-parallel group on one node. A launcher that deals ranks out round-robin (srun
+        --distribution=cyclic) breaks the node-by-node numbering `check_tp_fits_nodes` relies on.
+
+        Raises:
+            PlacementError: a group spans nodes (the same line on every rank, which gathered the same list).
+        """
+        if len(node_of_rank) != self.world_size:
+            raise ValueError(
+                f"{len(node_of_rank)} node ranks for world size {self.world_size}. HINT: give one per global rank"
+            )
+        for first in range(0, self.world_size, self.tp):
+            group = range(first, first + self.tp)
+            nodes = sorted({node_of_rank[rank] for rank in group})
+            if len(nodes) > 1:
+                where = ", ".join(f"rank {rank} on node {node_of_rank[rank]}" for rank in group)
+                raise PlacementError(
+                    f"tensor-parallel group of ranks {first}-{first + self.tp - 1} spans nodes {nodes} ({where}): "
+                    "the launcher did not number ranks node by node. HINT: launch consecutive ranks on the same node "
+                    "(srun --distribution=block, torchrun does so)"
+                )
 
     def build_mesh(self, device_type: str, *, timeout: timedelta | None = None) -> DeviceMesh:
         """Build the 3-D device mesh with dimensions named ``dp``, ``pp``, ``tp`` (sizes of 1 included).

@@ -2,13 +2,15 @@
 
 torch's TCPStore on rank 0 listens on every interface (`*:<MASTER_PORT>`, IPv4 and IPv6) for the whole run, so
 any host on the network can reach it. Here rank 0 binds the listening socket itself, to the main address, and
-hands it to the TCPStore. Torch only; the strategy decides when to use it.
+hands it to the TCPStore; `listen_address` decides where (or that torch's default stays). Torch only.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
+from collections.abc import Mapping
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -24,6 +26,16 @@ def binds_exactly(address: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def listen_address(main_address: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    """Where rank 0's store listens: exactly the main address it was given (MASTER_ADDR; on one machine a
+    loopback address, across nodes an address of node 0 that the other nodes reach), never a loopback address of
+    our choosing. None where the store is not ours to place: torchrun's agent already hosts one
+    (TORCHELASTIC_USE_AGENT_STORE), or the address is a host name (`binds_exactly`)."""
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or not binds_exactly(main_address):
+        return None
+    return main_address
 
 
 def bound_store(address: str, port: int, *, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:

@@ -9,22 +9,22 @@ from lightning_parallel.callbacks.run_summary import IDLE_NOTE, bubble_caption, 
 from lightning_parallel.pipeline.microbatches import PlansUsed, PlanUsed, fallback_warning, plan_microbatches
 
 PLANS = [
-    # schedule, pp, stages per rank, style, requested, batch -> what runs
-    ("1f1b", 2, 1, "loop", 4, 8, ("1f1b", 4)),
-    ("1f1b", 2, 1, "loop", 4, 6, ("1f1b", 3)),  # fewer, same schedule
-    ("1f1b", 2, 1, "loop", 4, 2, ("1f1b", 2)),
-    ("1f1b", 2, 1, "loop", 4, 7, ("gpipe", 1)),  # 1f1b needs >= pp micro-batches
-    ("1f1b", 4, 1, "loop", 8, 2, ("gpipe", 2)),
-    ("dualpipev", 2, 2, "v", 4, 7, ("zbv", 1)),  # dualpipev needs >= 2 x pp
-    ("dualpipev", 2, 2, "v", 8, 10, ("dualpipev", 5)),
+    # schedule, pp, stages per rank, requested, batch -> what runs
+    ("1f1b", 2, 1, 4, 8, ("1f1b", 4)),
+    ("1f1b", 2, 1, 4, 6, ("1f1b", 3)),  # fewer, same schedule
+    ("1f1b", 2, 1, 4, 2, ("1f1b", 2)),
+    ("1f1b", 2, 1, 4, 7, ("gpipe", 1)),  # 1f1b needs >= pp micro-batches
+    ("1f1b", 4, 1, 8, 2, ("gpipe", 2)),
+    ("dualpipev", 2, 2, 4, 7, ("zbv", 1)),  # dualpipev needs >= 2 x pp
+    ("dualpipev", 2, 2, 8, 10, ("dualpipev", 5)),
 ]
 
 
-@pytest.mark.parametrize(("schedule", "pp", "per_rank", "style", "requested", "batch", "expected"), PLANS)
+@pytest.mark.parametrize(("schedule", "pp", "per_rank", "requested", "batch", "expected"), PLANS)
 def test_plan_takes_the_largest_count_that_divides_the_batch(
-    schedule: str, pp: int, per_rank: int, style: str, requested: int, batch: int, expected: tuple[str, int]
+    schedule: str, pp: int, per_rank: int, requested: int, batch: int, expected: tuple[str, int]
 ) -> None:
-    got = plan_microbatches(batch, schedule=schedule, requested=requested, pp=pp, stages_per_rank=per_rank, style=style)
+    got = plan_microbatches(batch, schedule=schedule, requested=requested, pp=pp, stages_per_rank=per_rank)
     assert got == expected
 
 

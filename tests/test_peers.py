@@ -56,7 +56,7 @@ def test_our_own_error_stops_hung_peers_without_waiting() -> None:
 
 
 def test_more_nodes_than_a_launcher_provides_is_refused_before_launch() -> None:
-    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
     from lightning_parallel.strategies.peers import check_nodes
 
@@ -65,6 +65,7 @@ def test_more_nodes_than_a_launcher_provides_is_refused_before_launch() -> None:
     check_nodes(1, LightningEnvironment(), environ={})
     check_nodes(2, LightningEnvironment(), environ={"NODE_RANK": "1"})  # launched by hand on each node
     check_nodes(2, TorchElasticEnvironment(), environ={})  # torchrun tells each process its node
+    check_nodes(2, SLURMEnvironment(), environ={})  # so does srun
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "pipeline"])

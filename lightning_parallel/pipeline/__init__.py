@@ -1,4 +1,4 @@
-"""Pipeline parallelism: planning the split of an ``nn.Sequential`` into stages (torch only, no Lightning)."""
+"""Pipeline parallelism: the schedule table and the split of an ``nn.Sequential`` into stages (torch only)."""
 
 from lightning_parallel.pipeline.partition import (
     Partition,
@@ -11,9 +11,12 @@ from lightning_parallel.pipeline.partition import (
     stage_module,
     v_stage_to_rank,
 )
+from lightning_parallel.pipeline.schedules import SCHEDULE_TRAITS, ScheduleTraits
 
 __all__ = [
+    "SCHEDULE_TRAITS",
     "Partition",
+    "ScheduleTraits",
     "loop_stage_to_rank",
     "make_partition",
     "parameter_costs",

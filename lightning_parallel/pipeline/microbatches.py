@@ -11,10 +11,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from lightning_parallel.pipeline.schedule_plan import resolve_schedule
-
-# Schedules that accept any micro-batch count, per stage layout: the fallback for awkward batch sizes.
-# The schedule only orders the work; every schedule computes the same gradients.
-ANY_COUNT = {(1, "loop"): "gpipe", (2, "loop"): "looped_bfs", (2, "v"): "zbv"}
+from lightning_parallel.pipeline.schedules import schedule_traits
 
 
 def choose_microbatches(batch_size: int, requested: int, fits: Callable[[int], bool]) -> int | None:
@@ -38,15 +35,16 @@ def _fits(name: str, count: int, *, pp: int, stages_per_rank: int) -> bool:
 
 
 def plan_microbatches(
-    batch_size: int, *, schedule: str, requested: int, pp: int, stages_per_rank: int, style: str
+    batch_size: int, *, schedule: str, requested: int, pp: int, stages_per_rank: int
 ) -> tuple[str, int]:
     """Schedule name and micro-batch count for a batch: the configured schedule when some count fits,
-    else the same-layout schedule that takes any count (e.g. a last batch of prime size)."""
+    else the same-layout schedule that takes any count (`ScheduleTraits.fallback`, e.g. for a last batch of prime
+    size). The schedule only orders the work; every schedule computes the same gradients."""
     fits = partial(_fits, pp=pp, stages_per_rank=stages_per_rank)
     count = choose_microbatches(batch_size, requested, partial(fits, schedule))
     if count is not None:
         return schedule, count
-    fallback = ANY_COUNT[(min(stages_per_rank, 2), style)]
+    fallback = schedule_traits(schedule).fallback
     count = choose_microbatches(batch_size, requested, partial(fits, fallback))
     if count is None:  # the fallbacks accept a single micro-batch
         raise RuntimeError(f"{fallback} refused 1 micro-batch for a batch of {batch_size}")

@@ -8,12 +8,10 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from torch import nn
-
-_STYLES = ("loop", "v")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,6 +229,10 @@ def v_stage_to_rank(num_stages: int, pp: int) -> list[int]:
     return [stage if stage < pp else 2 * pp - 1 - stage for stage in range(num_stages)]
 
 
+# stage layout ("style" of a schedule, `schedules.ScheduleTraits.style`) -> (num_stages, pp) -> rank of each stage
+STAGE_TO_RANK: dict[str, Callable[[int, int], list[int]]] = {"loop": loop_stage_to_rank, "v": v_stage_to_rank}
+
+
 def _check_sequential(model: nn.Module) -> list[str]:
     names = [name for name, _ in model.named_children()]
     if not isinstance(model, nn.Sequential) or len(names) < 2:
@@ -321,10 +323,10 @@ def plan_partition(
         raise ValueError(
             f"pp({pp}) and stages_per_rank({stages_per_rank}) must both be >= 1. HINT: use pp=1 for no pipeline."
         )
-    if style not in _STYLES:
-        raise ValueError(f"unknown pipeline style {style!r}. HINT: use one of {list(_STYLES)}.")
+    if style not in STAGE_TO_RANK:
+        raise ValueError(f"unknown pipeline style {style!r}. HINT: use one of {list(STAGE_TO_RANK)}.")
     num_stages = pp * stages_per_rank
-    stage_to_rank = loop_stage_to_rank(num_stages, pp) if style == "loop" else v_stage_to_rank(num_stages, pp)
+    stage_to_rank = STAGE_TO_RANK[style](num_stages, pp)
     if isinstance(balance, str):
         split = split_by_cost(names, costs, num_stages)
         if holds_parameters is not None and _rank_without_parameters(split, stage_to_rank, names, holds_parameters):

@@ -151,14 +151,13 @@ class PipelineRuntime:
         self.pp = dist.get_world_size(group)
         self.stages_per_rank = len(self.stage_modules)
         spec = resolve_schedule(schedule, pp=self.pp, microbatches=microbatches, stages_per_rank=self.stages_per_rank)
-        self.style = spec.style
         self.has_first = 0 in self.stage_modules
         self.has_last = num_stages - 1 in self.stage_modules
         self._schedules: dict[tuple, tuple[object, PlanUsed]] = {}
         self._inferring = [False]
         self._hooked: set[int] = set()
         self.used = PlansUsed(schedule=schedule, requested=microbatches, warn=warn)
-        # Fallback schedules (ANY_COUNT) split the backward only when the configured one does too.
+        # Fallback schedules (`ScheduleTraits.fallback`) split the backward only when the configured one does too.
         self.timer = StageTimer(self.stage_modules, backward=not spec.splits_backward)
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -182,7 +181,6 @@ class PipelineRuntime:
                 requested=self.microbatches,
                 pp=self.pp,
                 stages_per_rank=self.stages_per_rank,
-                style=self.style,
             )
             spec = resolve_schedule(name, pp=self.pp, microbatches=count, stages_per_rank=self.stages_per_rank)
             modules = self._modules_for(inputs, count)

@@ -1,7 +1,8 @@
 """What each `torch.distributed.pipelining` schedule does, known without launching processes.
 
-Resolves and validates a schedule name, lists the compute actions per rank in torch's own order, and
-simulates them under unit costs to get a timeline and the bubble fraction. It runs nothing and draws nothing.
+Resolves and validates a schedule name against its traits (`schedules.py`), lists the compute actions per rank in
+torch's own order, and simulates them under unit costs to get a timeline and the bubble fraction. It runs nothing
+and draws nothing.
 """
 
 from __future__ import annotations
@@ -12,21 +13,9 @@ from typing import Any
 
 from torch.distributed.pipelining import schedules as torch_schedules
 
-# our name -> class name in torch.distributed.pipelining.schedules
-SCHEDULES: dict[str, str] = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "looped_bfs": "ScheduleLoopedBFS",
-    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
-    "zbv": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
-}
-_SINGLE_STAGE = {"gpipe", "1f1b"}
-_V_STYLE = {"zbv", "dualpipev"}
-_SPLITS_BACKWARD = {"interleaved_zero_bubble", "zbv", "dualpipev"}
-# torch derives "rounds" from the microbatch count and demands microbatches % rounds == 0
-_ROUNDS = {"interleaved_1f1b", "interleaved_zero_bubble"}
+from lightning_parallel.pipeline.partition import STAGE_TO_RANK
+from lightning_parallel.pipeline.schedules import SCHEDULES as SCHEDULES  # the strategy's argument check reads it here
+from lightning_parallel.pipeline.schedules import ScheduleTraits, schedule_traits
 
 # a full backward costs as much as its input-gradient plus weight-gradient halves
 DEFAULT_COST: dict[str, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -34,20 +23,32 @@ DEFAULT_COST: dict[str, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 @dataclass(frozen=True)
 class ScheduleSpec:
-    """A validated schedule: the torch class and how it lays stages onto ranks."""
+    """A validated schedule of one run: its traits (`schedules.SCHEDULE_TRAITS`) and the stages per rank it runs."""
 
-    name: str
-    torch_class: type
+    traits: ScheduleTraits
     stages_per_rank: int
-    style: str  # "loop": stage i on rank i % pp; "v": down the ranks, then back up
-    splits_backward: bool  # runs input-gradient (I) and weight-gradient (W) work separately
+
+    @property
+    def name(self) -> str:
+        return self.traits.name
+
+    @property
+    def torch_class(self) -> type:
+        return self.traits.torch_class
+
+    @property
+    def style(self) -> str:
+        """Stage layout: "loop" puts stage i on rank i % pp; "v" goes down the ranks, then back up."""
+        return self.traits.style
+
+    @property
+    def splits_backward(self) -> bool:
+        """Runs input-gradient (I) and weight-gradient (W) work separately."""
+        return self.traits.splits_backward
 
     def stage_to_rank(self, pp: int) -> list[int]:
         """Rank owning each stage, indexed by stage."""
-        num_stages = pp * self.stages_per_rank
-        if self.style == "v":
-            return [s if s < pp else 2 * pp - 1 - s for s in range(num_stages)]
-        return [s % pp for s in range(num_stages)]
+        return STAGE_TO_RANK[self.style](pp * self.stages_per_rank, pp)
 
 
 @dataclass(frozen=True)
@@ -72,51 +73,6 @@ class Timeline:
     bubble_fraction: float  # 1 - busy time / (pp * makespan)
 
 
-def _rounds_ok(pp: int, microbatches: int) -> bool:
-    return microbatches % max(1, microbatches // pp) == 0
-
-
-def _rounds_hint(pp: int, microbatches: int) -> str:
-    above = next(m for m in range(microbatches + 1, 2 * microbatches + pp) if _rounds_ok(pp, m))
-    below = next(m for m in range(microbatches - 1, 0, -1) if _rounds_ok(pp, m))
-    return f"HINT: microbatches={below} or {above} (any multiple of pp={pp} works)"
-
-
-def _check_microbatches(name: str, pp: int, microbatches: int, num_stages: int) -> None:
-    where = f"schedule={name} with pp={pp}"
-    if microbatches < 1:
-        raise ValueError(f"{where} needs microbatches >= 1; got {microbatches}. HINT: microbatches={pp}")
-    if name == "1f1b" and microbatches < pp:
-        raise ValueError(f"{where} needs microbatches >= pp; got {microbatches}. HINT: microbatches={pp}, or use gpipe")
-    if name == "dualpipev" and microbatches < num_stages:
-        raise ValueError(
-            f"{where} needs microbatches >= 2 * pp = {num_stages}; got {microbatches}. "
-            f"HINT: microbatches={num_stages}, or use zbv"
-        )
-    if name in _ROUNDS and not _rounds_ok(pp, microbatches):
-        rounds = max(1, microbatches // pp)
-        raise ValueError(
-            f"{where} needs microbatches to be a multiple of the rounds max(1, microbatches // pp) = {rounds}; "
-            f"got {microbatches}. {_rounds_hint(pp, microbatches)}"
-        )
-
-
-def _check_stages_per_rank(name: str, stages_per_rank: int | None) -> int:
-    if name in _SINGLE_STAGE:
-        if stages_per_rank not in (None, 1):
-            raise ValueError(
-                f"schedule={name} runs one stage per rank; got stages_per_rank={stages_per_rank}. "
-                "HINT: drop stages_per_rank, or use interleaved_1f1b"
-            )
-        return 1
-    v = 2 if stages_per_rank is None else stages_per_rank
-    if name in _V_STYLE and v != 2:
-        raise ValueError(f"schedule={name} needs exactly 2 stages per rank; got {v}. HINT: stages_per_rank=2")
-    if v < 2:
-        raise ValueError(f"schedule={name} needs stages_per_rank >= 2; got {v}. HINT: stages_per_rank=2, or use 1f1b")
-    return v
-
-
 def resolve_schedule(name: str, *, pp: int, microbatches: int, stages_per_rank: int | None = None) -> ScheduleSpec:
     """Validate a schedule choice against every constraint torch enforces, before any process starts.
 
@@ -129,19 +85,12 @@ def resolve_schedule(name: str, *, pp: int, microbatches: int, stages_per_rank: 
     Raises:
         ValueError: one line naming the numbers and a fix.
     """
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}. HINT: choose one of {', '.join(SCHEDULES)}")
+    traits = schedule_traits(name)
     if pp < 1:
         raise ValueError(f"schedule={name} needs pp >= 1; got {pp}. HINT: pp=2")
-    v = _check_stages_per_rank(name, stages_per_rank)
-    _check_microbatches(name, pp, microbatches, pp * v)
-    return ScheduleSpec(
-        name=name,
-        torch_class=getattr(torch_schedules, SCHEDULES[name]),
-        stages_per_rank=v,
-        style="v" if name in _V_STYLE else "loop",
-        splits_backward=name in _SPLITS_BACKWARD,
-    )
+    v = traits.check_stages_per_rank(stages_per_rank)
+    traits.check_microbatches(pp, microbatches, v)
+    return ScheduleSpec(traits=traits, stages_per_rank=v)
 
 
 @dataclass
@@ -194,7 +143,7 @@ def rank_actions(spec: ScheduleSpec, *, pp: int, microbatches: int) -> dict[int,
     stages: the constructors only read sizes and ranks, so no process group is needed.
     """
     num_stages = pp * spec.stages_per_rank
-    _check_microbatches(spec.name, pp, microbatches, num_stages)
+    spec.traits.check_microbatches(pp, microbatches, spec.stages_per_rank)
     if spec.stages_per_rank == 1:
         return {rank: _single_stage_order(spec.name, rank, pp, microbatches) for rank in range(pp)}
     owner = spec.stage_to_rank(pp)

@@ -18,38 +18,17 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.planner.workload import Block, Workload, human_count
 from lightning_parallel.tensor.plans import expand_plan, sharded_sizes
-
-# style -> parameter names it splits across tensor-parallel ranks (as tensor/plans.py and tensor/conv.py apply them)
-SHARDED_PARAMETERS: dict[str, tuple[str, ...]] = {
-    "colwise": ("weight", "bias"),
-    "rowwise": ("weight",),
-    "colwise_gather": ("weight", "bias"),
-    "vocab_parallel": ("weight",),
-    "conv_colwise": ("weight", "bias"),
-    "conv_rowwise": ("weight",),
-    "batchnorm_sharded": ("weight", "bias"),
-}
-# style -> collectives per forward + backward: (kind, what is communicated: the module's "input" or "output")
-COLLECTIVES: dict[str, tuple[tuple[str, str], ...]] = {
-    "colwise": (("all_reduce", "input"),),  # backward: the replicated input's gradient is summed
-    "rowwise": (("all_reduce", "output"),),  # forward: partial outputs are summed
-    "colwise_gather": (("all_gather", "output"), ("all_reduce", "input")),
-    "vocab_parallel": (("all_reduce", "output"),),
-    "conv_colwise": (("all_reduce", "input"),),
-    "conv_rowwise": (("all_reduce", "output"),),
-}
-# styles whose module output is a shard, and styles whose module input is a shard
-_SHARDED_OUTPUT = {"colwise", "conv_colwise", "batchnorm_sharded"}
-_SHARDED_INPUT = {"rowwise", "conv_rowwise", "batchnorm_sharded"}
+from lightning_parallel.tensor.styles import STYLE_TRAITS
 
 
 def workload_from_module(
-    model: nn.Sequential, sample: torch.Tensor, *, plan: Mapping[str, str] | None = None, name: str | None = None
+    model: nn.Module, sample: torch.Tensor, *, plan: Mapping[str, str] | None = None, name: str | None = None
 ) -> Workload:
     """Analyse an ``nn.Sequential`` of named blocks with one forward + backward on the meta device.
 
     Args:
-        model: The model; moved to nothing, only its meta-device copy runs (build it on meta to save memory).
+        model: An ``nn.Sequential`` of named blocks (anything else is refused with a hint); moved to nothing, only
+            its meta-device copy runs (build it on meta to save memory).
         sample: A batch of at least 2 samples (BatchNorm needs 2), any device; only its shape and dtype are used.
         plan: Tensor-parallel plan ``{pattern: style}``; None uses the model's ``tp_plan`` attribute, if any.
         name: Shown in the plan's header; defaults to the class name and parameter count.
@@ -164,18 +143,23 @@ class _ShardTracker:
                 self.sharded[id(tensor._base)] = tensor._base
 
     def _pre_hook(self, style: str | None) -> Callable[..., None]:
+        sharded_input = style is not None and STYLE_TRAITS[style].sharded_input
+
         def hook(module: nn.Module, args: tuple) -> None:
-            if style in _SHARDED_INPUT and args:
+            if sharded_input and args:
                 self._mark(args[0])
 
         return hook
 
     def _hook(self, style: str | None, *, propagate: bool) -> Callable[..., None]:
+        traits = STYLE_TRAITS[style] if style is not None else None
+
         def hook(module: nn.Module, args: tuple, output: object) -> None:
             first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            if style in _SHARDED_OUTPUT or (propagate and first is not None and id(first) in self.sharded):
+            sharded_output = traits is not None and traits.sharded_output
+            if sharded_output or (propagate and first is not None and id(first) in self.sharded):
                 self._mark(output)
-            for kind, what in COLLECTIVES.get(style or "", ()):
+            for kind, what in traits.collectives if traits is not None else ():
                 tensor = first if what == "input" else output
                 if isinstance(tensor, torch.Tensor) and (what == "output" or tensor.requires_grad):
                     self.collectives.append((kind, float(tensor.numel())))
@@ -185,9 +169,8 @@ class _ShardTracker:
     def sharded_params(self) -> int:
         total = 0
         for name, style in self.styles.items():
-            for key in SHARDED_PARAMETERS.get(style, ()):
-                param = getattr(self.modules[name], key, None)
-                total += param.numel() if isinstance(param, torch.Tensor) else 0
+            module = self.modules[name]
+            total += sum(getattr(module, key).numel() for key in STYLE_TRAITS[style].sharded_parameters(module))
         return total
 
     def saved_elements(self, saved: list[torch.Tensor], parameter_ids: set[int]) -> tuple[float, float]:
@@ -209,7 +192,8 @@ class _ShardTracker:
             key = root if not name else f"{root}.{name}"
             return float(sum(counts.get(key, {}).values()))
 
-        sharding = {name for name, style in self.styles.items() if style in COLLECTIVES}
+        # modules whose style communicates are the ones whose compute is split
+        sharding = {name for name, style in self.styles.items() if STYLE_TRAITS[style].collectives}
         sharded = sum(total(name) for name in sharding)
         for name, module in self.modules.items():
             children = {f"{name}.{c}" if name else c: m for c, m in module.named_children()}

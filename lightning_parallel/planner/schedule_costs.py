@@ -11,13 +11,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from lightning_parallel.pipeline.schedule_plan import SCHEDULES, rank_actions, resolve_schedule, simulate
+from lightning_parallel.pipeline.schedule_plan import rank_actions, resolve_schedule, simulate
+from lightning_parallel.pipeline.schedules import SCHEDULE_TRAITS
 
 # Up to these sizes the torch order is built and simulated (milliseconds); larger ones are extrapolated.
 EXACT_MAX_RANKS = 8
 EXACT_MAX_MICROBATCHES_PER_RANK = 4
-# Schedules whose peak in-flight count grows with the micro-batch count (all forwards before any backward).
-_ALL_FORWARDS_FIRST = {"gpipe", "looped_bfs"}
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,7 @@ def schedule_cost(name: str, *, pp: int, microbatches: int, stages_per_rank: int
     idle_small = small.bubble * busy_small / (1.0 - small.bubble) if small.bubble < 1 else 0.0
     idle = idle_small * (pp - 1) / (small_pp - 1) if small_pp > 1 else 0.0  # warm-up + cool-down grow with pp
     busy = 3.0 * microbatches * v
-    if name in _ALL_FORWARDS_FIRST:
+    if spec.traits.all_forwards_first:  # the peak in-flight count grows with the micro-batch count
         peak = microbatches * v
     else:
         peak = min(microbatches * v, round(max(small.in_flight) * pp / small_pp))
@@ -105,5 +104,5 @@ def _simulated(name: str, pp: int, microbatches: int, v: int) -> ScheduleCost:
 
 
 def schedule_names() -> list[str]:
-    """Every schedule the pipeline strategy runs, in ``pipeline.schedule_plan.SCHEDULES`` order."""
-    return list(SCHEDULES)
+    """Every schedule the pipeline strategy runs, in ``pipeline.schedules.SCHEDULE_TRAITS`` order."""
+    return list(SCHEDULE_TRAITS)

@@ -10,12 +10,12 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from lightning_parallel.pipeline.schedules import SCHEDULE_TRAITS
 from lightning_parallel.planner.estimate import CostModel, Estimate, Layout
 from lightning_parallel.planner.hardware import Hardware, human_bytes
 from lightning_parallel.planner.schedule_costs import schedule_names, valid_microbatches
 from lightning_parallel.planner.workload import Workload
 
-SINGLE_STAGE = ("gpipe", "1f1b")  # one stage per rank; the others run 2 (the pipeline strategy's default)
 MICROBATCH_CHOICES = 6  # micro-batch counts tried per (layout, schedule), spread geometrically
 
 
@@ -120,7 +120,7 @@ def _layouts(
                     yield Layout(dp=dp, pp=1, tp=tp, dp_shard=shard), batch
                     continue
                 for name in schedules:
-                    v = 1 if name in SINGLE_STAGE else 2
+                    v = SCHEDULE_TRAITS[name].default_stages_per_rank  # what the pipeline strategy runs
                     if pp * v > blocks:
                         continue
                     for m in _microbatch_choices(name, pp, v, batch):

@@ -58,7 +58,7 @@ from lightning_parallel.checkpoint import (
 )
 from lightning_parallel.dims import ParallelDims
 from lightning_parallel.precision import clip_grad_norm_global
-from lightning_parallel.rendezvous import binds_exactly, bound_store
+from lightning_parallel.rendezvous import bound_store, listen_address
 from lightning_parallel.seams import changed
 from lightning_parallel.strategies.arguments import check_backend, check_timeout
 from lightning_parallel.strategies.mesh_precision import mesh_precision
@@ -278,6 +278,7 @@ class MeshStrategy(ParallelStrategy):
         # Runs in the main process when the Trainer is built: the place to fail before any launch.
         check_nodes(self.num_nodes, self.cluster_environment)
         self._dims = self.resolve_dims(self.num_processes * self.num_nodes)
+        self._dims.check_tp_fits_nodes(self.num_processes)  # tp inside a node; pp and dp may cross nodes
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _ValidatingLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
@@ -292,20 +293,31 @@ class MeshStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, **self._rendezvous())
         self._dims = self.resolve_dims(self.world_size)
+        self._check_placement()
         self._mesh = self.dims.build_mesh(self.root_device.type, timeout=self._timeout)
         self._take_over_sampler_injection()
 
+    def _check_placement(self) -> None:
+        """Across nodes, check where the launcher really put each rank (SLURM may deal them out round-robin):
+        a tensor-parallel group split over nodes would run, only slowly. Every rank sees the same list."""
+        if self.num_nodes == 1 or self.dims.tp == 1:
+            return
+        nodes: list[Any] = [None] * self.world_size
+        dist.all_gather_object(nodes, self.node_rank)
+        self.dims.check_tp_placement(nodes)
+
     def _rendezvous(self) -> dict[str, Any]:
-        """A store listening on the main address only (loopback for one machine), unless torchrun's agent
-        hosts the store or the address is a host name (see `rendezvous.binds_exactly`)."""
+        """A store listening on the main address only (loopback for one machine, MASTER_ADDR across nodes),
+        unless torchrun's agent hosts the store or the address is a host name (`rendezvous.listen_address`)."""
         environment = self.cluster_environment
         assert environment is not None
         if _distributed_is_initialized():
             return {}  # a later fit in the same processes reuses the group (and its store)
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or not binds_exactly(environment.main_address):
+        address = listen_address(environment.main_address)
+        if address is None:
             return {}
         store = bound_store(
-            environment.main_address,
+            address,
             environment.main_port,
             rank=self.global_rank,
             world_size=self.world_size,

@@ -1,4 +1,4 @@
-"""Tensor-parallel building blocks over torch's DTensor: plans as data, and channel-parallel CNN styles."""
+"""Tensor-parallel building blocks over torch's DTensor: the style table, plans as data, channel-parallel CNN styles."""
 
 from lightning_parallel.tensor.conv import BatchNormParallel, ConvColwiseParallel, ConvRowwiseParallel
 from lightning_parallel.tensor.pairing import AutoPlan, auto_plan
@@ -9,13 +9,17 @@ from lightning_parallel.tensor.plans import (
     expand_plan,
     make_style,
 )
+from lightning_parallel.tensor.styles import STYLE_TRAITS, Sharding, StyleTraits
 
 __all__ = [
     "STYLES",
+    "STYLE_TRAITS",
     "AutoPlan",
     "BatchNormParallel",
     "ConvColwiseParallel",
     "ConvRowwiseParallel",
+    "Sharding",
+    "StyleTraits",
     "apply_plan",
     "auto_plan",
     "check_plan",

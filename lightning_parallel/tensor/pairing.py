@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from lightning_parallel.tensor.styles import STYLE_TRAITS
+
 # Ops that act on each element alone, so a feature- or channel-sharded activation passes through them unchanged.
 _ELEMENTWISE_MODULES: tuple[type[nn.Module], ...] = (
     nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Mish, nn.Hardswish,
@@ -121,8 +123,11 @@ def _pair_from(node: fx.Node, modules: dict[str, nn.Module], calls: Counter[str]
         if modules[norm].num_features != width:
             return f"{norm} normalises {modules[norm].num_features} features, not the {width} of {name}"
     styles = {name: "conv_colwise" if conv else "colwise", **dict.fromkeys(norms, "batchnorm_sharded"), row: row_style}
-    row_weight = modules[row].get_parameter("weight")
-    split = [*first.parameters(), row_weight, *(p for n in norms for p in modules[n].parameters())]
+    split = [
+        modules[member].get_parameter(key)
+        for member, style in styles.items()
+        for key in STYLE_TRAITS[style].sharded_parameters(modules[member])
+    ]
     return _Pair(column=name, row=row, styles=styles, sharded=sum(p.numel() for p in split))
 
 

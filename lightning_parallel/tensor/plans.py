@@ -13,81 +13,21 @@ from fnmatch import fnmatchcase
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils.hooks import RemovableHandle
 
-from lightning_parallel.tensor.conv import BatchNormParallel, ConvColwiseParallel, ConvRowwiseParallel
+from lightning_parallel.tensor.styles import STYLE_TRAITS
 
-# style name -> what it does. Under sequence parallelism the residual stream between blocks is split along the
-# sequence (dim 1): "colwise" inputs then arrive sequence-sharded and "rowwise" outputs leave sequence-sharded.
-STYLES: dict[str, str] = {
-    "colwise": "Linear/Embedding: shard output features; input replicated",
-    "rowwise": "Linear: shard input features; all-reduce the output",
-    "rowwise_from_channels": "Linear after flattening a conv_colwise feature map: input features are channel-major, "
-    "so a rank's channels are one contiguous block of them; all-reduce the output",
-    "colwise_gather": "Linear: shard output features, then gather the full output (e.g. logits)",
-    "vocab_parallel": "Embedding: shard the vocabulary; output replicated",
-    "sequence_parallel": "LayerNorm/RMSNorm/Dropout: run on sequence shards when sequence_parallel=True",
-    "shard_sequence": "any module: split its output along the sequence when sequence_parallel=True",
-    "conv_colwise": "Conv2d: shard output channels; input replicated",
-    "conv_rowwise": "Conv2d: shard input channels; all-reduce the output",
-    "batchnorm_sharded": "BatchNorm1d/BatchNorm2d: on feature / channel shards (after colwise / conv_colwise)",
-    "replicate": "leave the module whole on every rank",
-}
-_SEQUENCE_STYLES = frozenset({"sequence_parallel", "shard_sequence"})
-_NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.RMSNorm, nn.Dropout)
-# style -> module types it accepts; `None` means any module.
-_ACCEPTS: dict[str, tuple[type[nn.Module], ...] | None] = {
-    "colwise": (nn.Linear, nn.Embedding),
-    "rowwise": (nn.Linear,),
-    "rowwise_from_channels": (nn.Linear,),
-    "colwise_gather": (nn.Linear,),
-    "vocab_parallel": (nn.Embedding,),
-    "sequence_parallel": _NORMS,
-    "shard_sequence": None,
-    "conv_colwise": (nn.Conv2d,),
-    "conv_rowwise": (nn.Conv2d,),
-    "batchnorm_sharded": (nn.BatchNorm1d, nn.BatchNorm2d),
-    "replicate": None,
-}
+# style name -> what it does (the one-line descriptions of `styles.STYLE_TRAITS`)
+STYLES: dict[str, str] = {name: traits.description for name, traits in STYLE_TRAITS.items()}
 
 
 def make_style(name: str, *, sequence_parallel: bool) -> ParallelStyle | None:
     """The torch `ParallelStyle` for a style name, or None where the name means "leave as is"."""
-    seq = Shard(1)
-    if name == "colwise":
-        return ColwiseParallel(input_layouts=seq) if sequence_parallel else ColwiseParallel()
-    if name == "rowwise":
-        return RowwiseParallel(output_layouts=seq, use_local_output=False) if sequence_parallel else RowwiseParallel()
-    if name == "rowwise_from_channels":  # (B, C / tp * H * W) local, this rank's block of features: Shard(1)
-        return RowwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
-    if name == "colwise_gather":
-        return ColwiseParallel(input_layouts=seq if sequence_parallel else Replicate(), output_layouts=Replicate())
-    if name == "vocab_parallel":
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if name == "sequence_parallel":
-        return SequenceParallel() if sequence_parallel else None
-    if name == "shard_sequence":
-        if not sequence_parallel:
-            return None
-        return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq, use_local_output=False)
-    if name == "conv_colwise":
-        return ConvColwiseParallel()
-    if name == "conv_rowwise":
-        return ConvRowwiseParallel()
-    if name == "batchnorm_sharded":
-        return BatchNormParallel()
-    if name == "replicate":
-        return None
-    raise ValueError(f"unknown tensor-parallel style {name!r}. HINT: use one of {', '.join(STYLES)}")
+    if name not in STYLE_TRAITS:
+        raise ValueError(f"unknown tensor-parallel style {name!r}. HINT: use one of {', '.join(STYLES)}")
+    return STYLE_TRAITS[name].make(sequence_parallel)
 
 
 def expand_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
@@ -138,7 +78,7 @@ def check_plan(
     modules = dict(model.named_modules())
     for name, style in plan.items():
         module = modules[name]
-        accepts = _ACCEPTS[style]
+        accepts = STYLE_TRAITS[style].accepts
         if accepts is not None and not isinstance(module, accepts):
             raise ValueError(
                 f"tensor plan: {name} is a {type(module).__name__}, but style {style!r} applies to "
@@ -156,7 +96,7 @@ def check_plan(
                     f"tensor plan: {name} ({type(module).__name__}, {style}) has {what} {size}, not divisible by "
                     f"tensor_parallel_size {tp}. HINT: use tensor_parallel_size in {fits}, or map {name} to 'replicate'"
                 )
-    if sequence_parallel and not _SEQUENCE_STYLES & set(plan.values()):
+    if sequence_parallel and not any(STYLE_TRAITS[style].sequence_only for style in plan.values()):
         raise ValueError(
             f"sequence_parallel=True, but the plan for {type(model).__name__} has no 'sequence_parallel' entries. "
             "HINT: set sequence_parallel=False, or map the norms between blocks to 'sequence_parallel'"
@@ -169,24 +109,14 @@ def _parent(modules: dict[str, nn.Module], name: str) -> nn.Module | None:
 
 def sharded_sizes(style: str, module: nn.Module, parent: nn.Module | None) -> list[tuple[str, int]]:
     """(what, size) pairs that the tensor-parallel size must divide for this style."""
-    sizes: list[tuple[str, int]] = []
-    if isinstance(module, nn.Linear) and style in ("colwise", "colwise_gather", "rowwise", "rowwise_from_channels"):
-        row = style.startswith("rowwise")
-        features = module.in_features if row else module.out_features
-        sizes.append(("in_features" if row else "out_features", features))
-        head_dim = getattr(parent, "head_dim", None)  # attention projections: whole heads per rank
-        if isinstance(head_dim, int) and head_dim > 0 and features % head_dim == 0:
-            sizes.append(("attention heads", features // head_dim))
-    elif isinstance(module, nn.Embedding) and style == "colwise":
-        sizes.append(("embedding_dim", module.embedding_dim))
-    elif isinstance(module, nn.Embedding) and style == "vocab_parallel":
-        sizes.append(("vocabulary size", module.num_embeddings))
-    elif isinstance(module, nn.Conv2d) and style in ("conv_colwise", "conv_rowwise"):
-        sizes.append(
-            ("out_channels", module.out_channels) if style == "conv_colwise" else ("in_channels", module.in_channels)
-        )
-    elif isinstance(module, nn.BatchNorm1d | nn.BatchNorm2d) and style == "batchnorm_sharded":
-        sizes.append(("channels" if isinstance(module, nn.BatchNorm2d) else "features", module.num_features))
+    sharding = STYLE_TRAITS[style].sharding(module)
+    if sharding is None:
+        return []
+    size = getattr(module, sharding.size)
+    sizes = [(sharding.size_name, size)]
+    head_dim = getattr(parent, "head_dim", None)  # attention projections: whole heads per rank
+    if isinstance(module, nn.Linear) and isinstance(head_dim, int) and head_dim > 0 and size % head_dim == 0:
+        sizes.append(("attention heads", size // head_dim))
     return sizes
 
 
