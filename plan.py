@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from config_checks import root_message
-from lightning_parallel.models.init import materialize
+from lightning_parallel.weights import materialize
 from lightning_parallel.planner import (
     Hardware,
     Plan,

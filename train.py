@@ -40,6 +40,7 @@ from config_checks import (
 )
 from lightning_parallel.callbacks import RunSummary
 from lightning_parallel.checkpoint import check_matches
+from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.tasks import ClassificationTask, LanguageModelTask, Task
 
 __all__ = ["ConfigError", "build", "build_model", "build_strategy", "check_config", "hydra_error_line", "train"]
@@ -95,7 +96,9 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, Task, pl.LightningDataModule, Ru
         summary = RunSummary()
         trainer = build_trainer(cfg, summary, data)
         # Under a model-parallel strategy this builds on the meta device; each rank materialises its part.
-        with trainer.init_module():
+        # Our models initialise by name, so the mesh strategies may build them on the meta device and materialise
+        # only each rank's part (Lightning's DDP would take empty_init=True as "leave the weights uninitialised").
+        with trainer.init_module(empty_init=isinstance(trainer.strategy, MeshStrategy) or None):
             model = build_model(cfg, data.model_hints)
         task = build_task(cfg, model, data)
         validate = getattr(trainer.strategy, "validate", None)  # our strategies check the model pre-launch

@@ -157,7 +157,6 @@ def test_runs_without_an_experiment_still_compose(compose_cfg) -> None:
 # ---- the real command line: exit 2, one line, no traceback ----------------------------------------------------------
 CLI = {
     "type error": (["strategy=pipeline", "strategy.microbatches=abc"], "microbatches='abc'"),
-    "unknown model": (["model=nonexistent"], "model=nonexistent"),
     "unknown experiment": (["experiment=nonexistent"], "experiment=nonexistent"),
     "misspelt strategy key": (["strategy=pipeline", "+strategy.microbatchs=4"], "strategy.microbatchs"),
 }

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from train import train
+from train import ConfigError, build, train
 
 TINY = ["trainer.max_epochs=1", "trainer.limit_train_batches=4", "trainer.limit_val_batches=2"]
 
@@ -61,6 +61,16 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_input_is_one_clear_line_in_process(compose_cfg, name: str) -> None:  # noqa: ANN001
+    """The same check train.py runs before launch (`build`); two cases go through the real command line below."""
+    overrides, expected = BAD_INPUTS[name]
+    with pytest.raises(ConfigError) as error:
+        build(compose_cfg("trainer.accelerator=cpu", *overrides))
+    message = str(error.value)
+    assert expected in message and "HINT" in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("name", ["zero devices", "no training batches"])
 def test_bad_input_is_one_clear_line(tmp_path: Path, name: str) -> None:
     overrides, expected = BAD_INPUTS[name]
     result = run_cli(*overrides, cwd=tmp_path)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_parallel.models import GPT, ResNet, SimpleCNN
-from lightning_parallel.models.init import init_by_name, init_default, materialize
+from lightning_parallel.weights import init_by_name, init_default, materialize, materialize_in_parts, parameter_bytes
 
 Build = Callable[[], nn.Sequential]
 
@@ -139,3 +139,48 @@ def test_meta_built_network_without_reset_parameters_is_refused() -> None:
         network = nn.Sequential(nn.Linear(3, 3), Scale())
     with pytest.raises(RuntimeError, match=r"\['Scale'\] own parameters or buffers and have no reset_parameters"):
         materialize(network, torch.device("cpu"))
+
+
+class _HandInit(nn.Sequential):
+    """A user network whose init_weights() does not go through init_by_name, so it cannot be restricted."""
+
+    def init_weights(self) -> None:
+        for p in self.parameters():
+            nn.init.constant_(p, 0.5)
+
+
+@pytest.mark.parametrize("name", [*BUILDS, "hand_init", "no_init_weights"])
+def test_materialising_in_parts_gives_the_same_weights_and_never_holds_the_whole(name: str) -> None:
+    """Each part gets storage and values, then `after_each` runs (a strategy shards it there: here it is replaced
+    by nothing, as a stand-in for a shard); the values are the ones one process builds."""
+    builds = {
+        **BUILDS,
+        "hand_init": lambda: _HandInit(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)),
+        "no_init_weights": lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)),
+    }
+    with torch.device("meta"):
+        full, parted = _build(builds[name], 0), _build(builds[name], 0)
+    torch.manual_seed(0)  # what init_by_name seeds from, as after seed_everything
+    materialize(full, torch.device("cpu"))  # what one process builds from the meta device
+    parts = [n for n, m in parted.named_modules() if isinstance(m, nn.Linear | nn.Conv2d | nn.Embedding)]
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep_and_drop(part: str) -> None:  # the shard of a stand-in strategy: nothing kept, values recorded
+        module = parted.get_submodule(part)
+        seen.update({f"{part}.{n}": t.detach().clone() for n, t in module.named_parameters()})
+        for n, t in list(module.named_parameters()):
+            setattr(module, n, nn.Parameter(t.detach()[:0]))
+
+    peak = materialize_in_parts(parted, torch.device("cpu"), parts, keep_and_drop)
+    whole = _tensors(full)
+    for key, value in seen.items():
+        torch.testing.assert_close(value, whole[key], rtol=0, atol=0, msg=key)
+    rest = {k: v for k, v in _tensors(parted).items() if k not in seen}
+    for key, value in rest.items():
+        torch.testing.assert_close(value, whole[key], rtol=0, atol=0, msg=key)
+    total = parameter_bytes(full)
+    if name == "hand_init":
+        assert peak == total  # not name-keyed: materialised whole first, then handed over part by part
+    else:
+        largest = max(parameter_bytes(full.get_submodule(p)) for p in parts)
+        assert peak == max(largest, parameter_bytes(parted)) < total  # one part at a time, or the rest at the end

@@ -37,7 +37,7 @@ def test_every_model_trains_on_four_pipeline_stages(tmp_path: Path) -> None:
         "-m",
         "strategy=pipeline",
         "trainer.devices=4",
-        "model=simple_cnn,resnet152",
+        "model=simple_cnn,resnet18",
         *TINY_IMAGES,
         *TINY,
         cwd=tmp_path,

@@ -54,10 +54,8 @@ def config(model: str, schedule: str, dp: int, trainer: dict | None = None) -> d
 
 @pytest.mark.slow
 def test_pipeline_by_tensor_with_clipping_and_accumulation(tmp_path: Path) -> None:
-    configs = [config("gpt", "1f1b", 1, CLIP), config("simple_cnn", "1f1b", 1, CLIP)]
-    per_rank = run_workers("three_d", 4, configs, tmp_path)
-    for index, model in enumerate(["gpt", "simple_cnn"]):
-        assert_matches(per_rank, index, reference(model, 16, **CLIP), dp=1)
+    per_rank = run_workers("three_d", 4, [config("gpt", "1f1b", 1, CLIP)], tmp_path)  # SimpleCNN: the 8-process test
+    assert_matches(per_rank, 0, reference("gpt", 16, **CLIP), dp=1)
     parallel = per_rank[0][0]["parallel"]
     assert (parallel["data_parallel_size"], parallel["pipeline_size"], parallel["tensor_parallel_size"]) == (1, 2, 2)
     assert parallel["plan_source"] == "model" and parallel["sharded"]["block_0.attn.q"] == "colwise"
@@ -66,6 +64,9 @@ def test_pipeline_by_tensor_with_clipping_and_accumulation(tmp_path: Path) -> No
     for name in ("block_0.attn.q.weight", "block_1.mlp.down.weight", "head.lm_head.weight"):  # on both stages
         dim = 1 if "down" in name else 0  # row-parallel layers split their inputs
         assert shapes[name][dim] * 2 == state[name].shape[dim], (name, shapes[name], state[name].shape)
+    for rank in per_rank:  # layers were materialised one at a time and sharded at once: never the whole stage
+        stage_bytes = sum(t.numel() * t.element_size() for t in rank[0]["state"].values())
+        assert 0 < rank[0]["setup_peak"] < stage_bytes, (rank[0]["setup_peak"], stage_bytes)
 
 
 @pytest.mark.slow

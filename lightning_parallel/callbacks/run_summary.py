@@ -179,14 +179,16 @@ class RunSummary(pl.Callback):
                 self._local_samples,
                 peak_memory_bytes(strategy.root_device),
                 local_parameter_bytes(pl_module),
+                # mesh strategies: the most held while materialising (sharding) the model; else what is held now
+                max(getattr(strategy, "setup_peak_parameter_bytes", 0), local_parameter_bytes(pl_module)),
                 grads,
                 optimizer_state,
                 round(self._step_seconds * 1e6),  # microseconds: one int64 gather for everything
             ],
             dtype=torch.int64,
         )
-        per_rank = strategy.all_gather(local.to(strategy.root_device)).cpu().reshape(-1, 6).tolist()
-        samples, peak, params, grad_bytes, optim_bytes, step_us = (
+        per_rank = strategy.all_gather(local.to(strategy.root_device)).cpu().reshape(-1, 7).tolist()
+        samples, peak, params, setup_params, grad_bytes, optim_bytes, step_us = (
             list(column) for column in zip(*per_rank, strict=True)
         )
         # Ranks of one data-parallel replica see the same batch; count each sample once.
@@ -205,6 +207,7 @@ class RunSummary(pl.Callback):
             "step_time_s_per_rank": [t / steps for t in step_seconds] if steps else None,
             "peak_memory_bytes": peak,
             "parameter_bytes_per_rank": params,
+            "parameter_bytes_peak_setup_per_rank": setup_params,
             "gradient_bytes_per_rank": grad_bytes,
             "optimizer_state_bytes_per_rank": optim_bytes,
             "metrics": {name: self._describe(name, values) for name, values in self.history.items()},

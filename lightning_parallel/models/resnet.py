@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_parallel.models.init import init_by_name, init_default
+from lightning_parallel.weights import init_by_name, init_default
 
 # depth -> (block type, blocks per stage)
 _LAYOUTS: dict[int, tuple[str, tuple[int, int, int, int]]] = {

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lightning_parallel.models.init import init_by_name, init_default
+from lightning_parallel.weights import init_by_name, init_default
 
 
 class SimpleCNN(nn.Sequential):

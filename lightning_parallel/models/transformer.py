@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_parallel.models.init import init_by_name, init_default
+from lightning_parallel.weights import init_by_name, init_default
 
 
 class GPTEmbedding(nn.Module):

@@ -127,6 +127,8 @@ class MeshStrategy(ParallelStrategy):
         self._use_distributed_sampler: bool | None = None
         self.num_nodes = 1
         self.peer_failure: PeerFailure | None = None
+        # The most parameter bytes this rank held while materialising (and sharding) its part; set in `parallelize`.
+        self.setup_peak_parameter_bytes = 0
 
     @abstractmethod
     def resolve_dims(self, world_size: int) -> ParallelDims:

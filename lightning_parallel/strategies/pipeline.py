@@ -23,7 +23,6 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_parallel.dims import ParallelDims
-from lightning_parallel.models.init import materialize
 from lightning_parallel.pipeline.batchnorm import batchnorm_notice, commit_batchnorm, defer_batchnorm
 from lightning_parallel.pipeline.partition import Partition
 from lightning_parallel.pipeline.profile import measure_block_costs
@@ -42,6 +41,7 @@ from lightning_parallel.strategies.user_step import (
     swap_attribute,
 )
 from lightning_parallel.tensor.plans import apply_plan, keep_gradients_sharded
+from lightning_parallel.weights import materialize, materialize_in_parts, parameter_bytes
 
 BALANCES = ("flops", "parameters", "time")  # how a split is balanced, besides explicit block names per stage
 
@@ -273,20 +273,30 @@ class PipelineParallelStrategy(MeshStrategy):
         if self.dims.tp > 1:
             self._tensor_plan = self._check_tensor_plan(network)  # on the whole network, before pruning
         self._split.prune(self.partition.blocks_of(self.pp_rank))
-        materialize(network, self.root_device)
+        if self._tensor_plan is None:
+            materialize(network, self.root_device)
+            self.setup_peak_parameter_bytes = parameter_bytes(network)
+        else:
+            self.setup_peak_parameter_bytes = self._shard_stage(network, self._tensor_plan[1])
         broadcast_tied_values(network, self._tied, self.group("pp"))
-        if self._tensor_plan is not None:
-            self._shard_stage(network, self._tensor_plan[1])
         if self.deferred_batchnorm:
             self._batchnorms = defer_batchnorm(network)
 
-    def _shard_stage(self, network: nn.Module, plan: dict[str, str]) -> None:
-        """Shard this rank's blocks with the part of the plan that names them, over the "tp" mesh dimension.
-        Tensor peers of a stage start from the first one's values (the same ones, when initialised by name)."""
-        broadcast_within(network, self.group("tp"))
+    def _shard_stage(self, network: nn.Module, plan: dict[str, str]) -> int:
+        """Materialise this rank's blocks one planned layer at a time, each sharded over "tp" at once (so no rank
+        holds even its whole stage); returns the most parameter bytes held on the way. A network built for real
+        starts from the first tensor peer's values."""
+        if not any(p.is_meta for p in network.parameters()):
+            network.to(self.root_device)
+            broadcast_within(network, self.group("tp"))
         held = {name for name, mod in network.named_modules() if any(True for _ in mod.parameters())}
         local = {name: style for name, style in plan.items() if name in held}  # pruned blocks are Identity
-        apply_plan(network, local, self.device_mesh["tp"], sequence_parallel=False)
+        mesh = self.device_mesh["tp"]
+
+        def shard(name: str) -> None:
+            apply_plan(network, {name: local[name]}, mesh, sequence_parallel=False)
+
+        return materialize_in_parts(network, self.root_device, list(local), shard)
 
     @override
     def on_device(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:

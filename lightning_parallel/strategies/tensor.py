@@ -24,7 +24,6 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_parallel.dims import ParallelDims
-from lightning_parallel.models.init import materialize
 from lightning_parallel.strategies.arguments import check_bool, check_choice, check_int, check_name, reject
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
 from lightning_parallel.tensor.pairing import auto_plan
@@ -35,6 +34,7 @@ from lightning_parallel.tensor.plans import (
     expand_plan,
     keep_gradients_sharded,
 )
+from lightning_parallel.weights import materialize, materialize_in_parts
 
 
 class TensorParallelStrategy(MeshStrategy):
@@ -96,6 +96,7 @@ class TensorParallelStrategy(MeshStrategy):
     def validate(self, module: pl.LightningModule, *, batch: Any = None) -> None:
         network = self.network_of(module)
         if self._description is None and not is_overridden("configure_model", module):
+            self.refuse_meta_outside(module, network)
             self.resolve_plan(network)
 
     def network_of(self, module: pl.LightningModule) -> nn.Module:
@@ -111,7 +112,9 @@ class TensorParallelStrategy(MeshStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
-        # empty_init=True builds on the meta device; setup() materialises with the network's init_weights().
+        # trainer.init_module(empty_init=True) builds on the meta device: setup() then materialises one planned layer
+        # at a time and shards it at once, with the values one process builds when the network initialises by name
+        # (`weights.init_by_name`). Without it the network is built whole on every rank, as on one device.
         device = torch.device("meta") if empty_init else self.root_device
         with device, self.precision_plugin.tensor_init_context():
             yield
@@ -119,8 +122,14 @@ class TensorParallelStrategy(MeshStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.lightning_module is not None:  # the Lightning way: configure_model() finds the mesh on the module
-            self.lightning_module._device_mesh = self.device_mesh
+        module = self.lightning_module
+        if module is not None:  # the Lightning way: configure_model() finds the mesh on the module
+            module._device_mesh = self.device_mesh
+            if is_overridden("configure_model", module):
+                # Built on the meta device before launch: configure_model() shards real tensors, as it expects.
+                for child in module.children():
+                    if any(t.is_meta for t in [*child.parameters(), *child.buffers()]):
+                        materialize(child, self.root_device)
 
     @override
     def parallelize(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -149,9 +158,17 @@ class TensorParallelStrategy(MeshStrategy):
             source = "configure_model"  # Lightning already called it, with the mesh on the module
         else:
             source, plan, replicated_why = self.resolve_plan(network)  # raises on every rank before any collective
-            materialize(network, self.root_device)
-            broadcast_within(network)  # tensor peers and replicas start identical whatever each rank drew
-            apply_plan(network, plan, self.device_mesh["tp"], sequence_parallel=self.sequence_parallel)
+            if not any(p.is_meta for p in network.parameters()):
+                network.to(self.root_device)
+                broadcast_within(network)  # built for real: peers and replicas start from rank 0's draw
+            mesh, sequence_parallel = self.device_mesh["tp"], self.sequence_parallel
+
+            def shard(name: str) -> None:
+                apply_plan(network, {name: plan[name]}, mesh, sequence_parallel=sequence_parallel)
+
+            # Built on the meta device: one layer at a time gets its name-keyed values and is sharded at once,
+            # so no rank holds the whole model, also during set-up.
+            self.setup_peak_parameter_bytes = materialize_in_parts(network, self.root_device, list(plan), shard)
         if self.dims.dp > 1:
             self._shard_over_replicas(module, network)
         return self._describe(source, plan, replicated_why, network)

@@ -18,6 +18,7 @@ import torch
 from lightning_parallel.callbacks import RunSummary
 from lightning_parallel.data import SyntheticTokensDataModule
 from lightning_parallel.models import GPT
+from lightning_parallel.strategies.tensor import TensorParallelStrategy
 from lightning_parallel.tasks import LanguageModelTask
 
 torch.set_num_threads(1)
@@ -88,7 +89,8 @@ def fit_model(
         callbacks=[recorder],
         **trainer_kwargs,
     )
-    with trainer.init_module():
+    # empty_init=True: the tensor strategy materialises one layer at a time (the pipeline builds on meta anyway)
+    with trainer.init_module(empty_init=isinstance(strategy, TensorParallelStrategy) or None):
         network = tiny_network(model)
     if model.startswith("gpt"):
         task_class = task_class or LanguageModelTask

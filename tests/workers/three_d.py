@@ -23,7 +23,15 @@ for config in configs:
     )
     state = {name: t for name, t in full_state(task.model).items() if name in dict(task.model.named_parameters())}
     shapes = {name: tuple(getattr(p, "_local_tensor", p).shape) for name, p in task.model.named_parameters()}
-    results.append({"losses": losses, "state": state, "shapes": shapes, "parallel": trainer.strategy.describe()})
+    results.append(
+        {
+            "losses": losses,
+            "state": state,
+            "shapes": shapes,
+            "parallel": trainer.strategy.describe(),
+            "setup_peak": trainer.strategy.setup_peak_parameter_bytes,
+        }
+    )
 torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()

@@ -1,14 +1,15 @@
-"""Name-keyed weight initialisation: each module's random draws depend only on (seed, its qualified name).
-
-So a pipeline stage that materialises a few blocks of a meta-device model gets exactly the weights those
-blocks have in the full model. Which distribution to draw from stays each model's own choice.
+"""Name-keyed weight initialisation and materialisation: each module's random draws depend only on (seed, its
+qualified name), so a pipeline stage that materialises a few blocks of a meta-device model, or a tensor rank
+that materialises one layer at a time and shards it at once, gets exactly the weights one process would build.
+Which distribution to draw from stays each model's own choice. Torch only: no process groups here.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import nn
@@ -30,12 +31,36 @@ def init_by_name(root: nn.Module, init_module: Callable[[nn.Module], None], *, s
         seed: Base seed. ``None`` means ``torch.initial_seed()``, i.e. what ``torch.manual_seed`` last set.
     """
     base = torch.initial_seed() if seed is None else seed
+    only = _ONLY.get()
+    if only is not None:
+        only.called = True
     for name, module in root.named_modules():
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        if not tensors or any(t.is_meta for t in tensors):
+        if not tensors or any(t.is_meta for t in tensors) or (only is not None and id(module) not in only.ids):
             continue
         with _seeded_rng(tensors[0].device, _name_seed(base, name)), torch.no_grad():
             init_module(module)
+
+
+class _Only:
+    """The modules `init_by_name` may initialise while a part is materialised, and whether it ran at all."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.ids = {id(m) for m in modules}
+        self.called = False
+
+
+_ONLY: ContextVar[_Only | None] = ContextVar("init_by_name_only", default=None)
+
+
+@contextmanager
+def _initialising_only(modules: Sequence[nn.Module]) -> Iterator[_Only]:
+    only = _Only(modules)
+    token = _ONLY.set(only)
+    try:
+        yield only
+    finally:
+        _ONLY.reset(token)
 
 
 def init_default(module: nn.Module) -> None:
@@ -91,6 +116,64 @@ def materialize(network: nn.Module, device: torch.device) -> None:
         return
     check_resettable(network)
     network.to_empty(device=device)
+    _initialise(network)
+
+
+def materialize_in_parts(
+    network: nn.Module, device: torch.device, parts: Sequence[str], after_each: Callable[[str], None]
+) -> int:
+    """Materialise `network` one named part at a time, calling `after_each(name)` (e.g. sharding it) before the
+    next part gets storage; everything else last. Returns the most parameter bytes this process held on the way.
+
+    Values are the ones `materialize` gives: the network's `init_weights()` (or every module's
+    `reset_parameters()`) restricted to the part, which holds when that initialisation is name-keyed
+    (`init_by_name`). An `init_weights()` that does not go through `init_by_name` cannot be restricted: the
+    network is then materialised whole and every part handed to `after_each` afterwards.
+    """
+    if not any(t.is_meta for t in [*network.parameters(), *network.buffers()]):
+        network.to(device)
+        peak = parameter_bytes(network)
+        for name in parts:
+            after_each(name)
+        return peak
+    check_resettable(network)
+    peak = 0
+    for index, name in enumerate(parts):
+        fresh = _give_storage(network.get_submodule(name), device)  # a part inside an earlier one is done already
+        with _initialising_only(fresh) as only:
+            _initialise(network)
+        if index == 0 and not only.called:  # not name-keyed: nothing is sharded yet, so fall back to whole
+            network.to_empty(device=device)
+            _initialise(network)
+            peak = parameter_bytes(network)
+            for each in parts:
+                after_each(each)
+            return peak
+        peak = max(peak, parameter_bytes(network))
+        after_each(name)
+    with _initialising_only(_give_storage(network, device)):
+        _initialise(network)
+    return max(peak, parameter_bytes(network))
+
+
+def _give_storage(root: nn.Module, device: torch.device) -> list[nn.Module]:
+    """Uninitialised storage for the modules under `root` still on the meta device; returns them."""
+    fresh = [m for m in root.modules() if any(t.is_meta for t in [*m.parameters(False), *m.buffers(False)])]
+    for module in fresh:
+        module.to_empty(device=device, recurse=False)
+    return fresh
+
+
+def parameter_bytes(network: nn.Module) -> int:
+    """Bytes of the parameters this process holds (a DTensor's local shard; nothing for the meta device)."""
+    total = 0
+    for p in network.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += 0 if local.is_meta else local.numel() * local.element_size()
+    return total
+
+
+def _initialise(network: nn.Module) -> None:
     init_weights = getattr(network, "init_weights", None)
     if callable(init_weights):
         init_weights()
