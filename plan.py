@@ -82,7 +82,9 @@ def make_plan(cfg: DictConfig) -> Plan:
     data = instantiate(cfg.data)
     workload = build_workload(cfg.model, data, cfg.costs)
     hardware = build_hardware(cfg.hardware, cfg.device_memory)
-    batch = {"global_batch": cfg.global_batch} if cfg.global_batch is not None else {"replica_batch": data.batch_size}
+    # Every row at the same global batch (by default data.batch_size), so step times compare; the train.py command
+    # then gives each replica its share (data.batch_size is per replica there).
+    global_batch = cfg.global_batch if cfg.global_batch is not None else data.batch_size
     cuda = on_gpus(hardware)
     return plan(
         workload,
@@ -92,7 +94,7 @@ def make_plan(cfg: DictConfig) -> Plan:
         optimizer_states=cfg.optimizer_states,
         schedules=list(cfg.schedules) if cfg.schedules is not None else None,
         allow=(lambda layout: runnable(layout, cuda=cuda)) if cfg.runnable_only else None,
-        **batch,
+        global_batch=global_batch,
     )
 
 
@@ -113,6 +115,8 @@ def report(result: Plan, top: int) -> str:
     best_here = next((e for e in result.estimates if e.fits and runnable(e.layout, cuda=cuda)), None)
     if best_here is not None:
         overrides = " ".join(train_overrides(best_here.layout, cuda=cuda) or [])
+        if result.global_batch is not None and best_here.layout.dp > 1:  # train.py's batch size is per replica
+            overrides += f" data.batch_size={result.global_batch // best_here.layout.dp}"
         lines.append(f"Best layout train.py runs: {describe(best_here.layout)} -> python train.py {overrides}")
     return "\n".join(lines)
 

@@ -282,6 +282,20 @@ def test_plan_command_reports_a_ranked_table_and_a_train_command() -> None:
     assert all(strategy_choice(e.layout) is not None for e in result.estimates)
 
 
+def test_plan_rows_compare_at_one_global_batch() -> None:
+    """Every row processes data.batch_size samples per step whatever its replicas; the train.py command of a
+    layout with replicas gives each its share (train.py's data.batch_size is per replica)."""
+    cfg = compose_plan("model=simple_cnn", "data=digits", "data.batch_size=32", "devices=4", "runnable_only=true")
+    result = make_plan(cfg)
+    assert result.global_batch == 32 and {e.layout.dp for e in result.estimates} >= {1, 2, 4}
+    for estimate in result.estimates:
+        assert estimate.batch * estimate.layout.dp == 32, (estimate.layout, estimate.batch)
+    best = next(e for e in result.estimates if e.fits)
+    line = report(result, 3).splitlines()[-1]
+    if best.layout.dp > 1:
+        assert line.endswith(f" data.batch_size={32 // best.layout.dp}"), line
+
+
 @pytest.mark.parametrize("name", hardware_presets())
 def test_hardware_presets_read_the_same_with_and_without_hydra(name: str) -> None:
     """The plan command's group `hardware` and strategy=auto read the same shipped files."""
