@@ -32,6 +32,7 @@ CONSTRUCTOR = [
     (P, {"tensor_parallel_size": None}, "tensor_parallel_size must be an integer >= 1, got None"),
     (P, {"pipeline_parallel_size": 2.0}, "pipeline_parallel_size must be an integer >= 1 or None, got 2.0 (float)"),
     (P, {"plan": "megatron"}, "PipelineParallelStrategy(plan='megatron')"),
+    (P, {"replicas": "zero"}, "replicas must be one of replicate, fsdp, got 'zero' (str). HINT: replicas='replicate'"),
     (P, {"balance": "even"}, "balance must be None, one of flops, parameters, time, or block names per stage"),
     (P, {"balance": 3}, "balance must be None"),
     (P, {"deferred_batchnorm": "yes"}, "deferred_batchnorm must be True or False, got 'yes' (str)"),

@@ -81,12 +81,11 @@ def test_declared_keys_are_constructor_arguments_the_strategy_keeps() -> None:
 
 
 def test_what_no_strategy_runs_yet() -> None:
-    """Pinned so that it shrinks on purpose: sharded pipeline replicas, replicated
-    tensor-parallel replicas, and Lightning's FSDP without a GPU. The split-backward schedules all run."""
+    """Pinned so that it shrinks on purpose: replicated tensor-parallel replicas, and Lightning's FSDP without a
+    GPU. The split-backward schedules all run; pipeline replicas may be copies or FSDP2 shards."""
     for layout in grid():
         replicas = layout.dp > 1
         reasons = {
-            "sharded pipeline replicas": layout.pp > 1 and layout.dp_shard,
             "replicated tensor-parallel replicas": layout.pp == 1
             and layout.tp > 1
             and replicas
@@ -100,8 +99,13 @@ def test_what_no_strategy_runs_yet() -> None:
 def test_pipeline_x_tensor_runs_as_the_pipeline_option() -> None:
     keys = {"schedule": "1f1b", "microbatches": 4, "data_parallel_size": 2, "tensor_parallel_size": 2}
     assert strategy_choice(Layout(dp=2, pp=2, tp=2, schedule="1f1b", microbatches=4)) == ("pipeline", keys)
-    assert strategy_choice(Layout(dp=2, pp=2, tp=2, dp_shard=True, schedule="1f1b", microbatches=4)) is None
     assert keeps(build_strategy("pipeline", keys, cuda=False), keys)
+    sharded = {**keys, "replicas": "fsdp"}
+    assert strategy_choice(Layout(dp=2, pp=2, tp=2, dp_shard=True, schedule="1f1b", microbatches=4)) == (
+        "pipeline",
+        sharded,
+    )
+    assert keeps(build_strategy("pipeline", sharded, cuda=False), sharded)
 
 
 def settings(strategy: object) -> dict[str, object]:

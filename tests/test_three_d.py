@@ -55,10 +55,20 @@ def config(model: str, schedule: str, dp: int, trainer: dict | None = None) -> d
 
 
 @pytest.mark.slow
-def test_pipeline_by_tensor_with_clipping_accumulation_and_bf16(tmp_path: Path) -> None:
-    configs = [config("gpt", "1f1b", 1, CLIP), config("gpt", "1f1b", 1, BF16)]  # SimpleCNN: the 8-process test
+def test_pipeline_by_tensor_with_clipping_accumulation_bf16_and_fsdp_replicas(tmp_path: Path) -> None:
+    fsdp = {
+        **config("gpt", "1f1b", 1, CLIP),
+        "strategy": {"schedule": "1f1b", "data_parallel_size": 2, "replicas": "fsdp", "microbatches": 4},
+    }
+    configs = [config("gpt", "1f1b", 1, CLIP), config("gpt", "1f1b", 1, BF16), fsdp]  # SimpleCNN: the 8-process test
     per_rank = run_workers("three_d", 4, configs, tmp_path)
-    assert_matches(per_rank, 0, reference("gpt", 16, **CLIP), dp=1)
+    clipped = reference("gpt", 16, **CLIP)
+    assert_matches(per_rank, 0, clipped, dp=1)
+    # dp2 x pp2 with FSDP2 replicas: the same training, each replica holding half of each block's parameters
+    assert_matches(per_rank, 2, clipped, dp=2)
+    assert per_rank[0][2]["parallel"]["replicas"] == "fsdp"
+    shape, whole = per_rank[0][2]["shapes"]["block_0.attn.q.weight"], per_rank[0][2]["state"]["block_0.attn.q.weight"]
+    assert shape[0] * 2 == whole.shape[0], (shape, whole.shape)
     # bf16 rounds differently when a batch is cut into micro-batches and layers into shards: tracked, not equal
     bf16_losses, _ = reference("gpt", 16, **BF16)
     for rank in per_rank:

@@ -68,8 +68,8 @@ def _fsdp(layout: Layout) -> dict[str, Any] | None:
 
 
 def _pipeline(layout: Layout) -> dict[str, Any] | None:
-    """Replicas of a pipeline are copies (never sharded); tensor parallelism runs inside the stages (3D)."""
-    if layout.pp == 1 or layout.dp_shard or layout.schedule is None:
+    """Replicas are copies or FSDP2 shards (`replicas`); tensor parallelism runs inside the stages (3D)."""
+    if layout.pp == 1 or layout.schedule is None:
         return None
     keys: dict[str, Any] = {
         "schedule": layout.schedule,
@@ -80,6 +80,8 @@ def _pipeline(layout: Layout) -> dict[str, Any] | None:
         keys["stages_per_rank"] = layout.stages_per_rank
     if layout.tp > 1:
         keys["tensor_parallel_size"] = layout.tp
+    if layout.dp_shard and layout.dp > 1:
+        keys["replicas"] = "fsdp"
     return keys
 
 

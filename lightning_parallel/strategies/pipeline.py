@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
@@ -44,6 +45,7 @@ from lightning_parallel.tensor.plans import apply_plan, keep_gradients_sharded
 from lightning_parallel.weights import materialize, materialize_in_parts, parameter_bytes
 
 BALANCES = ("flops", "parameters", "time")  # how a split is balanced, besides explicit block names per stage
+REPLICAS = ("replicate", "fsdp")  # how data-parallel replicas of the pipeline stay in sync
 
 
 class PipelineParallelStrategy(MeshStrategy):
@@ -62,6 +64,9 @@ class PipelineParallelStrategy(MeshStrategy):
             derives it from the devices when pipeline_parallel_size is given, else means 1.
         tensor_parallel_size: ranks sharing each stage's layers (tensor parallelism inside every stage, "3D" with
             data parallelism); 1 = none. The stages' layers are sharded by `plan`.
+        replicas: how data-parallel replicas stay in sync: "replicate" (each holds its stages whole; gradients
+            all-reduced once per optimizer step) or "fsdp" (FSDP2 over "dp" shards each block's parameters, gradients
+            and optimizer state across replicas; gradients reduce-scattered in each backward).
         plan: with tensor_parallel_size > 1, {module pattern: style} (see `lightning_parallel.tensor.STYLES`),
             "auto", or None for the network's own `tp_plan` (else "auto"), as in TensorParallelStrategy.
         balance: "flops" (estimated compute; the default for traced networks), "parameters" (the default for an
@@ -84,6 +89,7 @@ class PipelineParallelStrategy(MeshStrategy):
         pipeline_parallel_size: int | None = None,
         data_parallel_size: int | None = None,
         tensor_parallel_size: int = 1,
+        replicas: str = "replicate",
         plan: Mapping[str, str] | str | None = None,
         balance: str | Sequence[Sequence[str]] | None = None,
         deferred_batchnorm: bool = False,
@@ -100,6 +106,7 @@ class PipelineParallelStrategy(MeshStrategy):
         check_int(self, "data_parallel_size", data_parallel_size, example=1, optional=True)
         check_int(self, "tensor_parallel_size", tensor_parallel_size, example=2)
         check_plan_argument(self, plan)
+        check_choice(self, "replicas", replicas, REPLICAS, example="replicate")
         # block names per stage are checked against the network before launch (`partition.split_explicit`)
         explicit = isinstance(balance, Sequence) and not isinstance(balance, str)
         if not (balance is None or balance in BALANCES or explicit):
@@ -113,6 +120,7 @@ class PipelineParallelStrategy(MeshStrategy):
         self.pipeline_parallel_size = pipeline_parallel_size
         self.data_parallel_size = data_parallel_size
         self.tensor_parallel_size = tensor_parallel_size
+        self.replicas = replicas
         self.plan = dict(plan) if isinstance(plan, Mapping) else plan
         self._tensor_plan: tuple[str, dict[str, str], dict[str, str]] | None = None
         self._gradient_hooks: list[RemovableHandle] = []
@@ -279,6 +287,8 @@ class PipelineParallelStrategy(MeshStrategy):
         else:
             self.setup_peak_parameter_bytes = self._shard_stage(network, self._tensor_plan[1])
         broadcast_tied_values(network, self._tied, self.group("pp"))
+        if self.replicas == "fsdp" and self.dims.dp > 1:
+            self._shard_over_replicas(network)
         if self.deferred_batchnorm:
             self._batchnorms = defer_batchnorm(network)
 
@@ -297,6 +307,19 @@ class PipelineParallelStrategy(MeshStrategy):
             apply_plan(network, {name: local[name]}, mesh, sequence_parallel=False)
 
         return materialize_in_parts(network, self.root_device, list(local), shard)
+
+    def _shard_over_replicas(self, network: nn.Module) -> None:
+        """FSDP2 over "dp" for each block this rank holds: replicas keep a 1/dp share of its parameters (torch
+        reduce-scatters the gradients in each backward, so no all-reduce is left for the optimizer step)."""
+        if self._tied:
+            raise ValueError(
+                "replicas='fsdp' does not yet shard parameters tied across pipeline stages "
+                f"({', '.join(t.names[0] for t in self._tied)}). HINT: use replicas='replicate'"
+            )
+        dp_mesh = self.device_mesh["dp"]
+        for _, block in network.named_children():
+            if any(p.requires_grad for p in block.parameters()):
+                fully_shard(block, mesh=dp_mesh)
 
     @override
     def on_device(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -468,7 +491,7 @@ class PipelineParallelStrategy(MeshStrategy):
         """Sum tied parameters' gradients over their stages, then all-reduce each stage's gradients across
         data-parallel replicas, once per optimizer step."""
         sum_tied_gradients(self.network_of(self.lightning_module), self._tied, self.group("pp"))
-        if self.dims.dp == 1:
+        if self.dims.dp == 1 or self.replicas == "fsdp":  # FSDP2 already reduce-scattered them
             return
         grads = [p.grad for p in self.local_parameters() if p.grad is not None]
         if not grads:
@@ -548,6 +571,7 @@ class PipelineParallelStrategy(MeshStrategy):
             "data_parallel_size": self.dims.dp,
             "pipeline_size": self.dims.pp,
             "tensor_parallel_size": self.dims.tp,
+            "replicas": self.replicas,
             **self._describe_tensor_plan(),
             "stages_per_rank": spec.stages_per_rank,
             "stages": [list(blocks) for blocks in partition.stages],
