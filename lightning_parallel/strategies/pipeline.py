@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
@@ -33,7 +32,9 @@ from lightning_parallel.pipeline.split import NetworkSplit, network_split
 from lightning_parallel.pipeline.tied import TiedGroup, broadcast_tied_values, counted_elsewhere, sum_tied_gradients
 from lightning_parallel.strategies.arguments import check_bool, check_choice, check_int, check_name, reject
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
-from lightning_parallel.strategies.tensor import broadcast_within, check_plan_argument, resolve_plan
+from lightning_parallel.strategies.pipeline_summary import describe_pipeline
+from lightning_parallel.strategies.stage_sharding import resolve_stage_plan, shard_over_replicas, shard_stage
+from lightning_parallel.strategies.tensor import check_plan_argument
 from lightning_parallel.strategies.user_step import (
     MicroSteps,
     StepRefused,
@@ -41,8 +42,8 @@ from lightning_parallel.strategies.user_step import (
     replay_logs,
     swap_attribute,
 )
-from lightning_parallel.tensor.plans import apply_plan, keep_gradients_sharded
-from lightning_parallel.weights import materialize, materialize_in_parts, parameter_bytes
+from lightning_parallel.tensor.plans import keep_gradients_sharded
+from lightning_parallel.weights import materialize, parameter_bytes
 
 BALANCES = ("flops", "parameters", "time")  # how a split is balanced, besides explicit block names per stage
 REPLICAS = ("replicate", "fsdp")  # how data-parallel replicas of the pipeline stay in sync
@@ -183,23 +184,13 @@ class PipelineParallelStrategy(MeshStrategy):
             )
         self.refuse_meta_outside(module, network)
         if self.dims.tp > 1:
-            self._check_tensor_plan(network)
+            resolve_stage_plan(network, self.plan, self.dims.tp)
         example = self._example_inputs(module, batch, "training_step")
         if example is None and not isinstance(network, nn.Sequential):
             return  # traced in setup, where the data module's first batch exists
         # Checks the split is possible (it traces, enough blocks, a valid explicit split); a time-balanced
         # split is measured later, in setup, where a sample batch exists.
         self._plan_split(network_split(network, example), None)
-
-    def _check_tensor_plan(self, network: nn.Module) -> tuple[str, dict[str, str], dict[str, str]]:
-        """Tensor parallelism inside stages: an nn.Sequential's plan, resolved on the whole network."""
-        if not isinstance(network, nn.Sequential):
-            raise ValueError(
-                f"tensor_parallel_size={self.dims.tp} inside pipeline stages needs the network as an nn.Sequential of "
-                f"blocks; {type(network).__name__} is split by tracing, which does not shard. HINT: write the network "
-                "as an nn.Sequential (as models/ does), or use tensor_parallel_size=1"
-            )
-        return resolve_plan(network, self.plan, tensor_parallel_size=self.dims.tp, sequence_parallel=False)
 
     def network_of(self, module: pl.LightningModule) -> nn.Module:
         return self.find_network(module, nn.Module, "pipeline parallelism needs the network as an nn.Module")
@@ -279,47 +270,19 @@ class PipelineParallelStrategy(MeshStrategy):
         costs = self._measured_costs(network) if self.balance == "time" else None
         self._partition = self._plan_split(self._split, costs)
         if self.dims.tp > 1:
-            self._tensor_plan = self._check_tensor_plan(network)  # on the whole network, before pruning
+            self._tensor_plan = resolve_stage_plan(network, self.plan, self.dims.tp)  # whole network, before pruning
         self._split.prune(self.partition.blocks_of(self.pp_rank))
         if self._tensor_plan is None:
             materialize(network, self.root_device)
             self.setup_peak_parameter_bytes = parameter_bytes(network)
         else:
-            self.setup_peak_parameter_bytes = self._shard_stage(network, self._tensor_plan[1])
+            mesh, group = self.device_mesh["tp"], self.group("tp")
+            self.setup_peak_parameter_bytes = shard_stage(network, self._tensor_plan[1], mesh, group, self.root_device)
         broadcast_tied_values(network, self._tied, self.group("pp"))
         if self.replicas == "fsdp" and self.dims.dp > 1:
-            self._shard_over_replicas(network)
+            shard_over_replicas(network, self.device_mesh["dp"], self._tied)
         if self.deferred_batchnorm:
             self._batchnorms = defer_batchnorm(network)
-
-    def _shard_stage(self, network: nn.Module, plan: dict[str, str]) -> int:
-        """Materialise this rank's blocks one planned layer at a time, each sharded over "tp" at once (so no rank
-        holds even its whole stage); returns the most parameter bytes held on the way. A network built for real
-        starts from the first tensor peer's values."""
-        if not any(p.is_meta for p in network.parameters()):
-            network.to(self.root_device)
-            broadcast_within(network, self.group("tp"))
-        held = {name for name, mod in network.named_modules() if any(True for _ in mod.parameters())}
-        local = {name: style for name, style in plan.items() if name in held}  # pruned blocks are Identity
-        mesh = self.device_mesh["tp"]
-
-        def shard(name: str) -> None:
-            apply_plan(network, {name: local[name]}, mesh, sequence_parallel=False)
-
-        return materialize_in_parts(network, self.root_device, list(local), shard)
-
-    def _shard_over_replicas(self, network: nn.Module) -> None:
-        """FSDP2 over "dp" for each block this rank holds: replicas keep a 1/dp share of its parameters (torch
-        reduce-scatters the gradients in each backward, so no all-reduce is left for the optimizer step)."""
-        if self._tied:
-            raise ValueError(
-                "replicas='fsdp' does not yet shard parameters tied across pipeline stages "
-                f"({', '.join(t.names[0] for t in self._tied)}). HINT: use replicas='replicate'"
-            )
-        dp_mesh = self.device_mesh["dp"]
-        for _, block in network.named_children():
-            if any(p.requires_grad for p in block.parameters()):
-                fully_shard(block, mesh=dp_mesh)
 
     @override
     def on_device(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -539,52 +502,16 @@ class PipelineParallelStrategy(MeshStrategy):
 
     def describe(self) -> dict[str, Any]:
         """Partition, and the schedule, micro-batches and analytic bubble requested and actually run, for
-        summary.json. `ran` lists every (mode, batch size) with its plan; the top-level `schedule`,
-        `microbatches` and `bubble_fraction` are the plan of most training batches, absent before any ran."""
-        spec, partition = self.spec, self.partition
-        requested = self.microbatches_for(self.dims.pp)
-
-        def bubble(name: str, count: int) -> float:
-            return analytic_bubble(name, pp=self.dims.pp, microbatches=count, stages_per_rank=spec.stages_per_rank)
-
-        used = self._runtime.used.plans.values() if self._runtime is not None else []
-        ran: list[dict[str, Any]] = [
-            {
-                "mode": "train" if u.training else "eval",
-                "batch_size": u.batch_size,
-                "schedule": u.schedule,
-                "microbatches": u.microbatches,
-                "batches": u.batches,
-                "bubble_fraction": bubble(u.schedule, u.microbatches) if u.training else None,
-            }
-            for u in sorted(used, key=lambda u: (not u.training, -u.batch_size))
-        ]
-        most = max((r for r in ran if r["mode"] == "train"), key=lambda r: r["batches"], default=None)
-        return {
-            **({key: most[key] for key in ("schedule", "microbatches", "bubble_fraction")} if most else {}),
-            "requested": {
-                "schedule": spec.name,
-                "microbatches": requested,
-                "bubble_fraction": bubble(spec.name, requested),
-            },
-            "ran": ran,
-            "data_parallel_size": self.dims.dp,
-            "pipeline_size": self.dims.pp,
-            "tensor_parallel_size": self.dims.tp,
-            "replicas": self.replicas,
-            **self._describe_tensor_plan(),
-            "stages_per_rank": spec.stages_per_rank,
-            "stages": [list(blocks) for blocks in partition.stages],
-            "stage_to_rank": list(partition.stage_to_rank),
-            "imbalance": partition.imbalance,
-            "cost_unit": partition.cost_unit,
-        }
-
-    def _describe_tensor_plan(self) -> dict[str, Any]:
-        if self._tensor_plan is None:
-            return {}
-        source, plan, replicated = self._tensor_plan
-        return {"plan_source": source, "sharded": dict(plan), **({"replicated_why": replicated} if replicated else {})}
+        summary.json (see `pipeline_summary.describe_pipeline`)."""
+        return describe_pipeline(
+            self.spec,
+            self.partition,
+            self.dims,
+            requested=self.microbatches_for(self.dims.pp),
+            used=list(self._runtime.used.plans.values()) if self._runtime is not None else [],
+            replicas=self.replicas,
+            tensor_plan=self._tensor_plan,
+        )
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
