@@ -335,7 +335,7 @@ class MeshStrategy(ParallelStrategy):
         trainer = getattr(module, "_trainer", None) if module is not None else None
         if trainer is None:
             return
-        connector = getattr(trainer, "_accelerator_connector", None)
+        connector: Any = getattr(trainer, "_accelerator_connector", None)
         if not hasattr(connector, "use_distributed_sampler"):
             raise changed(
                 "lightning", "Trainer._accelerator_connector.use_distributed_sampler", "keep samplers per replica"

@@ -7,7 +7,6 @@ re-classes that instance to a subclass of its own class with `MeshClipping` in f
 
 from __future__ import annotations
 
-from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,9 +47,13 @@ def mesh_precision(plugin: Precision, strategy: MeshStrategy) -> Precision:
     return plugin
 
 
-@cache
+_CLASSES: dict[type[Precision], type[Precision]] = {}  # one subclass per plugin class, so isinstance checks hold
+
+
 def _with_mesh_clipping(base: type[Precision]) -> type[Precision]:
-    return type(f"Mesh{base.__name__}", (MeshClipping, base), {})
+    if base not in _CLASSES:
+        _CLASSES[base] = type(f"Mesh{base.__name__}", (MeshClipping, base), {})
+    return _CLASSES[base]
 
 
 def _parameters(optimizer: Any) -> list[torch.nn.Parameter]:
