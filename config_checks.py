@@ -7,6 +7,7 @@ train.py only; the library never imports it.
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
 import math
 import re
@@ -115,6 +116,9 @@ def instantiate_at(cfg: DictConfig, key: str, **kwargs: Any) -> Any:
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as error:
+        located = re.match(r"Error locating target '([^']+)'.*\nfull_key: (\S*)", str(error), re.DOTALL)
+        if located:  # a `_target_` anywhere under the node that does not import (e.g. a misspelt optimizer class)
+            raise ConfigError(unknown_target(located[2] or key, located[1])) from error
         if not isinstance(error.__cause__, TypeError):
             raise
         target = get_object(node._target_)
@@ -134,6 +138,18 @@ def unknown_name(prefix: str, name: str, what: str, known: list[str]) -> str:
     nearest = difflib.get_close_matches(name, known, n=1)
     guess = f"did you mean {prefix}{nearest[0]}? " if nearest else ""
     return f"{prefix}{name} is not {what}. HINT: {guess}known: {', '.join(known)}"
+
+
+def unknown_target(key: str, target: str) -> str:
+    """One line for `<key>._target_=<target>` that does not import: the nearest name its module has, if any."""
+    module_name, _, name = target.rpartition(".")
+    try:
+        known = [n for n in dir(importlib.import_module(module_name)) if not n.startswith("_")] if module_name else []
+    except ImportError:
+        known = []
+    nearest = difflib.get_close_matches(name, known, n=1)
+    fix = f"did you mean {key}._target_={module_name}.{nearest[0]}?" if nearest else "give an importable dotted path"
+    return f"{key}._target_={target} cannot be imported. HINT: {fix}"
 
 
 def root_message(error: BaseException) -> str:

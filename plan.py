@@ -19,7 +19,6 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from config_checks import root_message
-from lightning_parallel.weights import materialize
 from lightning_parallel.planner import (
     Hardware,
     Plan,
@@ -31,6 +30,7 @@ from lightning_parallel.planner import (
     workload_from_module,
 )
 from lightning_parallel.strategies.layouts import runnable, strategy_choice, train_overrides
+from lightning_parallel.weights import materialize
 
 
 def on_gpus(hardware: Hardware) -> bool:

@@ -16,6 +16,9 @@ _LAZY = {
     "PipelineParallelStrategy": "lightning_parallel.strategies.pipeline",
     "TensorParallelStrategy": "lightning_parallel.strategies.tensor",
     "AutoStrategy": "lightning_parallel.strategies.auto",
+    "LocalSGDStrategy": "lightning_parallel.strategies.local_sgd",
+    "DiLoCoStrategy": "lightning_parallel.strategies.diloco",
+    "AsyncSGDStrategy": "lightning_parallel.strategies.async_sgd",
     "ParallelDims": "lightning_parallel.dims",
 }
 # registry name -> (class name, description)
@@ -23,6 +26,9 @@ _REGISTERED = {
     "pipeline": ("PipelineParallelStrategy", "Pipeline parallelism over torch.distributed.pipelining"),
     "tensor_parallel": ("TensorParallelStrategy", "Tensor parallelism: plans as data over DTensor parallelize_module"),
     "tensor": ("TensorParallelStrategy", "Tensor parallelism (alias of tensor_parallel)"),
+    "local_sgd": ("LocalSGDStrategy", "Lightning's DDP with torch's post-local SGD (periodic parameter averaging)"),
+    "diloco": ("DiLoCoStrategy", "DiLoCo: replicas step alone, an outer optimizer applies their averaged change"),
+    "async_sgd": ("AsyncSGDStrategy", "Asynchronous SGD: a parameter server on rank 0 applies gradients on arrival"),
 }
 
 

@@ -1,0 +1,158 @@
+"""strategy=local_sgd and strategy=diloco: period 1 equals DDP, larger periods sync exactly at their steps, DiLoCo
+resumes exactly, and bad values are one line before launch.
+
+Why period 1 equals DDP: with H=1 the averaged parameters (local SGD), or the outer step with lr 1 and no momentum
+applied to the averaged change (DiLoCo), are the mean of the replicas' updates: for SGD, whose update is linear in
+the gradient (momentum and weight decay included), that is DDP's update with the averaged gradient. An inner Adam
+would not be (each replica normalises by its own second moments). The tests use plain SGD there.
+
+One launch (2 processes, the tiny GPT, 20 steps per fit) runs every fit; the tests read its results.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import run_cli
+from distributed import run_workers
+
+from lightning_parallel import DiLoCoStrategy, LocalSGDStrategy
+from train import ConfigError, build
+
+STEPS = 20
+PLAIN, MOMENTUM = 0.0, 0.9
+FITS = {
+    "ddp": {"strategy": "ddp", "momentum": PLAIN},
+    "local_sgd_1": {"strategy": "local_sgd", "args": {"period": 1}, "momentum": PLAIN},
+    "diloco_1": {"strategy": "diloco", "args": {"period": 1, "outer_optimizer": [1.0, 0.0, False]}, "momentum": PLAIN},
+    "local_sgd_4": {"strategy": "local_sgd", "args": {"period": 4, "warmup_steps": 3}, "momentum": MOMENTUM},
+    "diloco_4": {"strategy": "diloco", "args": {"period": 4}, "momentum": MOMENTUM, "save": True},  # Nesterov outer
+    "diloco_4_resumed": {"strategy": "diloco", "args": {"period": 4}, "momentum": MOMENTUM, "resume": "step=10.ckpt"},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """Fit name -> each rank's {losses, state, sums}."""
+    out = tmp_path_factory.mktemp("local_sgd")
+    configs = []
+    for config in FITS.values():
+        config = {**config, "steps": STEPS, "save_dir": str(out / "checkpoints") if config.get("save") else None}
+        if "resume" in config:
+            config["resume"] = str(out / "checkpoints" / config["resume"])
+        configs.append(config)
+    per_rank = run_workers("local_sgd", 2, configs, out / "launch", timeout=240)
+    return {name: [per_rank[rank][i] for rank in range(2)] for i, name in enumerate(FITS)}
+
+
+def assert_states_close(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], atol: float) -> None:
+    assert state.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=atol, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["local_sgd_1", "diloco_1"])
+def test_period_one_equals_ddp(runs: dict[str, list[dict[str, Any]]], name: str) -> None:
+    for rank in range(2):
+        ddp, other = runs["ddp"][rank], runs[name][rank]
+        assert len(other["losses"]) == len(ddp["losses"]) == STEPS
+        assert max(abs(a - b) for a, b in zip(ddp["losses"], other["losses"], strict=True)) < 1e-5
+        assert_states_close(other["state"], ddp["state"], atol=1e-5)
+    assert abs(runs["ddp"][0]["sums"][-1] - runs["ddp"][0]["sums"][0]) > 1e-2  # not a comparison of idle weights
+
+
+def synced_steps(name: str) -> set[int]:
+    """Steps (1-based) after which the replicas must be equal."""
+    if name == "local_sgd_4":  # 3 DDP steps, then torch's averager at its steps 3, 7, ... (after steps 4, 8, ...)
+        return {1, 2, 3} | set(range(4, STEPS + 1, 4))
+    return set(range(4, STEPS + 1, 4))  # DiLoCo: after every 4th inner step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["local_sgd_4", "diloco_4"])
+def test_replicas_equal_right_after_each_averaging_and_differ_between(
+    runs: dict[str, list[dict[str, Any]]], name: str
+) -> None:
+    sums = [runs[name][rank]["sums"] for rank in range(2)]
+    assert len(sums[0]) == len(sums[1]) == STEPS
+    equal = {step for step in range(1, STEPS + 1) if sums[0][step - 1] == sums[1][step - 1]}
+    apart = {step for step in range(1, STEPS + 1) if abs(sums[0][step - 1] - sums[1][step - 1]) > 1e-6}
+    assert equal == synced_steps(name)
+    assert apart == set(range(1, STEPS + 1)) - synced_steps(name)
+    assert_states_close(runs[name][1]["state"], runs[name][0]["state"], atol=0)  # step 20 syncs
+
+
+@pytest.mark.slow
+def test_diloco_resume_equals_an_uninterrupted_run(runs: dict[str, list[dict[str, Any]]]) -> None:
+    # Saved at step 10, half-way through a period: each replica's own weights and momentum matter.
+    for rank in range(2):
+        whole, resumed = runs["diloco_4"][rank], runs["diloco_4_resumed"][rank]
+        assert len(resumed["losses"]) == STEPS - 10
+        assert max(abs(a - b) for a, b in zip(whole["losses"][10:], resumed["losses"], strict=True)) < 1e-6
+        assert max(abs(a - b) for a, b in zip(whole["sums"][10:], resumed["sums"], strict=True)) < 1e-6
+        assert_states_close(resumed["state"], whole["state"], atol=1e-6)
+
+
+# ---- bad input, before launch ---------------------------------------------------------------------------------------
+CONSTRUCTOR = [
+    (LocalSGDStrategy, {"period": 0}, "LocalSGDStrategy(period=0): period must be an integer >= 1"),
+    (LocalSGDStrategy, {"period": 2.5}, "period must be an integer >= 1, got 2.5 (float)"),
+    (LocalSGDStrategy, {"warmup_steps": -1}, "warmup_steps=-1): warmup_steps must be an integer >= 0"),
+    (LocalSGDStrategy, {"model_averaging_period": 3}, "model_averaging_period must be left out"),
+    (DiLoCoStrategy, {"period": 0}, "DiLoCoStrategy(period=0): period must be an integer >= 1"),
+    (DiLoCoStrategy, {"outer_optimizer": "sgd"}, "outer_optimizer must be a callable returning a torch.optim"),
+    (
+        DiLoCoStrategy,
+        {"outer_optimizer": list},
+        "outer_optimizer must be a callable returning a torch.optim.Optimizer, not list",
+    ),
+    (DiLoCoStrategy, {"outer_optimizer": partial(torch.optim.SGD, lr=-1)}, "works (Invalid learning rate: -1)"),
+    (DiLoCoStrategy, {"find_unused_parameters": True}, "find_unused_parameters must be left out"),
+]
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "expected"), CONSTRUCTOR, ids=[str(k) for _, k, _ in CONSTRUCTOR])
+def test_constructor_rejects_bad_values(cls: type, kwargs: dict[str, Any], expected: str) -> None:
+    with pytest.raises(ValueError) as error:
+        cls(**kwargs)
+    message = str(error.value)
+    assert expected in message and "HINT: " in message and "\n" not in message, message
+
+
+CONFIG = {
+    "period=0": (["strategy=local_sgd", "strategy.period=0"], "LocalSGDStrategy(period=0): period must be"),
+    "warmup=-1": (["strategy=local_sgd", "strategy.warmup_steps=-1"], "warmup_steps=-1): warmup_steps must be"),
+    "diloco period=0": (["strategy=diloco", "strategy.period=0"], "DiLoCoStrategy(period=0): period must be"),
+    "unknown outer optimizer": (
+        ["strategy=diloco", "strategy.outer_optimizer._target_=torch.optim.SGDD"],
+        "strategy.outer_optimizer._target_=torch.optim.SGDD cannot be imported. "
+        "HINT: did you mean strategy.outer_optimizer._target_=torch.optim.SGD?",
+    ),
+    "outer optimizer not an optimizer": (
+        ["strategy=diloco", "strategy.outer_optimizer._target_=torch.nn.Linear"],
+        "outer_optimizer must be an optimizer factory that works (Linear.__init__() got an unexpected keyword "
+        "argument 'lr')",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CONFIG)
+def test_config_value_names_its_key(compose_cfg, case: str) -> None:
+    overrides, expected = CONFIG[case]
+    with pytest.raises(ConfigError) as error:
+        build(compose_cfg("trainer.accelerator=cpu", "trainer.devices=2", *overrides))
+    message = str(error.value)
+    assert expected in message and "HINT: " in message and "\n" not in message, message
+
+
+def test_cli_unknown_outer_optimizer_exits_2_with_one_line(tmp_path: Path) -> None:
+    result = run_cli("strategy=diloco", "strategy.outer_optimizer._target_=torch.optim.Adamm", cwd=tmp_path)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(lines) == 1 and "strategy.outer_optimizer._target_=torch.optim.Adamm" in lines[0], lines
+    assert "HINT: did you mean strategy.outer_optimizer._target_=torch.optim.Adam?" in lines[0]

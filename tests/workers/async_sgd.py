@@ -1,0 +1,98 @@
+"""Asynchronous SGD scenarios on SimpleCNN over digits (one launch each, see tests/test_async_sgd.py):
+"parity": one worker against one plain process; "resume": a 2-worker run saved and resumed."""
+
+from __future__ import annotations
+
+import copy
+import os
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from common import payload
+from lightning.pytorch.strategies import SingleDeviceStrategy
+
+from lightning_parallel.callbacks import RunSummary
+from lightning_parallel.data import DigitsDataModule
+from lightning_parallel.models import SimpleCNN
+from lightning_parallel.strategies.async_sgd import AsyncSGDStrategy
+from lightning_parallel.tasks import ClassificationTask
+
+torch.set_num_threads(1)
+WORLD_SIZE = int(os.environ["WORLD_SIZE"])  # read before Lightning's teardown removes it
+
+
+class StartState(pl.Callback):
+    """The weights, step and optimizer state a fit starts training from."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.step = trainer.global_step
+        self.weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        self.optimizer = copy.deepcopy(trainer.strategy.optimizer_state(trainer.optimizers[0]))  # live tensors
+
+
+def fit(strategy: Any, steps: int, *, ckpt_path: str | None = None) -> tuple[pl.Trainer, ClassificationTask, dict]:
+    pl.seed_everything(0, verbose=False)
+    data = DigitsDataModule(batch_size=32, seed=0)
+    recorder, start = RunSummary(), StartState()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=WORLD_SIZE if isinstance(strategy, AsyncSGDStrategy) else 1,
+        strategy=strategy,
+        max_steps=steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[recorder, start],
+    )
+    task = ClassificationTask(
+        SimpleCNN(**data.model_hints), num_classes=10, optimizer=partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+    )
+    trainer.fit(task, datamodule=data, ckpt_path=ckpt_path)
+    return trainer, task, {"losses": recorder.history["train/loss"], "start": start}
+
+
+def state(task: ClassificationTask) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in task.state_dict().items()}
+
+
+def main() -> None:
+    config, out = payload()
+    rank = int(os.environ["RANK"])
+    result: dict[str, Any] = {}
+    if config["scenario"] == "parity":
+        _, plain, plain_run = fit(SingleDeviceStrategy(device=torch.device("cpu")), 20)
+        trainer, task, run = fit(AsyncSGDStrategy(), 20)
+        result = {
+            "plain_losses": plain_run["losses"],
+            "async_losses": run["losses"],
+            "plain": state(plain),
+            "async": state(task),
+            "describe": trainer.strategy.describe(),
+        }
+    elif config["scenario"] == "resume":
+        ckpt = Path(out) / "saved.ckpt"
+        trainer, task, _ = fit(AsyncSGDStrategy(), 6)
+        trainer.save_checkpoint(ckpt)
+        result["saved_local"] = state(task)
+        trainer.strategy.barrier()
+        torch.distributed.destroy_process_group()
+        resumed, task, run = fit(AsyncSGDStrategy(), 8, ckpt_path=str(ckpt))
+        start = run["start"]
+        result.update(
+            start_step=start.step,
+            start_weights=start.weights,
+            start_optimizer=start.optimizer,
+            end_step=resumed.global_step,
+            describe=resumed.strategy.describe(),
+        )
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
