@@ -82,8 +82,7 @@ def test_every_model_trains_on_four_pipeline_stages(tmp_path: Path) -> None:
         for rank in summary["per_rank"]:
             assert 0 < rank["idle_fraction"] < 1
             assert {kind for _, _, kind, _, _ in rank["events"]} == {"F", "B"}
-        if summary["parameters"] > 50_000_000:  # ResNet-152 (ResNet-18 has too few blocks to balance)
-            assert max(summary["parameter_bytes_per_rank"]) <= 1.15 * summary["parameters"] * 4 / 4
+    # How evenly ResNet-152's parameters split over 4 stages (<= 1.15 x a quarter): tests/test_partition.py
 
 
 @pytest.mark.slow
