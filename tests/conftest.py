@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -45,3 +47,17 @@ def run_cli(
         timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
+
+
+@contextmanager
+def fake_world(size: int) -> Iterator[None]:
+    """A process group of `size` ranks inside this process (torch's fake backend): DTensor shards without peers."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

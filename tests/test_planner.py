@@ -5,13 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
-import torch.distributed as dist
-from conftest import CONF, ROOT
+from conftest import CONF, ROOT, fake_world
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from torch import nn
@@ -57,20 +54,6 @@ def meta_models() -> dict[str, tuple[nn.Sequential, torch.Tensor]]:
         "resnet50": (resnet, torch.zeros(2, 3, 32, 32)),
         "simple_cnn": (cnn, torch.zeros(2, 1, 8, 8)),
     }
-
-
-@contextmanager
-def fake_world(size: int) -> Iterator[None]:
-    """A process group of `size` ranks inside this process (torch's fake backend): DTensor shards without peers."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def local_numel(module: nn.Module) -> int:

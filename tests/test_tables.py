@@ -4,12 +4,9 @@ fallbacks, sharded parameters and dimensions, sizes to divide) is what torch and
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import pytest
 import torch
-import torch.distributed as dist
+from conftest import fake_world
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import schedules as torch_schedules
@@ -54,20 +51,6 @@ def test_each_schedule_falls_back_to_the_one_same_layout_schedule_that_takes_any
 
 
 # ---- tensor styles ---------------------------------------------------------------------------------------------------
-@contextmanager
-def fake_world(size: int) -> Iterator[None]:
-    """A process group of `size` ranks inside this process (torch's fake backend): DTensor shards without peers."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def example(module_type: type[nn.Module] | None) -> nn.Module:
     """A small module of a type, every size divisible by 2 and none by 4."""
     examples: dict[type[nn.Module] | None, nn.Module] = {
