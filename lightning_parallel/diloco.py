@@ -4,37 +4,17 @@ every replica continues from the result. Torch only: it neither knows Lightning 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["OuterLoop", "average_", "broadcast_module"]
+from lightning_parallel.replicas import average_
 
-
-def average_(tensors: Sequence[Tensor], group: dist.ProcessGroup | None = None) -> None:
-    """Replace each tensor by its mean over `group` (None: the default group), one all-reduce per dtype/device."""
-    size = dist.get_world_size(group)
-    buckets: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for tensor in tensors:
-        buckets.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    for bucket in buckets.values():
-        flat = torch.cat([t.reshape(-1) for t in bucket])  # (sum of numels,)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)  # gloo has no ReduceOp.AVG
-        flat /= size
-        for tensor, part in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
-            tensor.copy_(part.view_as(tensor))
-
-
-@torch.no_grad()
-def broadcast_module(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Give every replica of `group` the parameters and buffers of the group's first rank."""
-    source = dist.get_global_rank(group, 0) if group is not None else 0
-    for tensor in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(tensor, src=source, group=group)
+__all__ = ["OuterLoop"]
 
 
 class OuterLoop:

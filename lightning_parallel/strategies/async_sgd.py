@@ -22,6 +22,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_parallel.async_sgd import SERVER_RANK, ParameterServer, ServerClient, flat_gradient, load_flat
+from lightning_parallel.replicas import average_
 from lightning_parallel.seams import private_method
 from lightning_parallel.strategies.arguments import check_int
 from lightning_parallel.strategies.ddp import DEFAULT_TIMEOUT, DDPStrategy
@@ -155,10 +156,7 @@ class AsyncSGDStrategy(DDPStrategy):
         dist.broadcast(header, SERVER_RANK)
         load_flat(self._params, flat)
         self._version = int(header.item())
-        for buffer in self.lightning_module.buffers():
-            if buffer.is_floating_point():
-                dist.all_reduce(buffer)
-                buffer.div_(self.world_size)
+        average_([b for b in self.lightning_module.buffers() if b.is_floating_point()])
 
     @override
     def on_validation_start(self) -> None:

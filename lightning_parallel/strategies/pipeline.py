@@ -30,6 +30,7 @@ from lightning_parallel.pipeline.runtime import PipelineRuntime, put_gradients, 
 from lightning_parallel.pipeline.schedule_plan import SCHEDULES, ScheduleSpec, analytic_bubble, resolve_schedule
 from lightning_parallel.pipeline.split import NetworkSplit, network_split
 from lightning_parallel.pipeline.tied import TiedGroup, broadcast_tied_values, counted_elsewhere, sum_tied_gradients
+from lightning_parallel.replicas import average_
 from lightning_parallel.strategies.arguments import check_bool, check_choice, check_int, check_name, reject
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
 from lightning_parallel.strategies.pipeline_summary import describe_pipeline
@@ -456,17 +457,8 @@ class PipelineParallelStrategy(MeshStrategy):
         sum_tied_gradients(self.network_of(self.lightning_module), self._tied, self.group("pp"))
         if self.dims.dp == 1 or self.replicas == "fsdp":  # FSDP2 already reduce-scattered them
             return
-        grads = [p.grad for p in self.local_parameters() if p.grad is not None]
-        if not grads:
-            return
-        grads = [_local(g) for g in grads]  # DTensor gradients (tensor parallelism): average each rank's shard
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group("dp"))
-        flat /= self.dims.dp
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        # DTensor gradients (tensor parallelism): each rank averages its own shard
+        average_([_local(p.grad) for p in self.local_parameters() if p.grad is not None], self.group("dp"))
 
     @override
     def norm_group(self) -> dist.ProcessGroup:

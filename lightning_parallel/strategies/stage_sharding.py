@@ -13,7 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from lightning_parallel.pipeline.tied import TiedGroup
-from lightning_parallel.strategies.tensor import broadcast_within, resolve_plan
+from lightning_parallel.replicas import broadcast_module
+from lightning_parallel.strategies.tensor import resolve_plan
 from lightning_parallel.tensor.plans import apply_plan
 from lightning_parallel.weights import materialize_in_parts
 
@@ -40,7 +41,7 @@ def shard_stage(
     starts from the first tensor peer's values (`group`)."""
     if not any(p.is_meta for p in network.parameters()):
         network.to(device)
-        broadcast_within(network, group)
+        broadcast_module(network, group)
     held = {name for name, mod in network.named_modules() if any(True for _ in mod.parameters())}
     local = {name: style for name, style in plan.items() if name in held}  # pruned blocks are Identity
 

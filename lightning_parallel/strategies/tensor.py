@@ -24,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_parallel.dims import ParallelDims
+from lightning_parallel.replicas import average_, broadcast_module
 from lightning_parallel.strategies.arguments import check_bool, check_choice, check_int, check_name, reject
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
 from lightning_parallel.tensor.pairing import auto_plan
@@ -160,7 +161,7 @@ class TensorParallelStrategy(MeshStrategy):
             source, plan, replicated_why = self.resolve_plan(network)  # raises on every rank before any collective
             if not any(p.is_meta for p in network.parameters()):
                 network.to(self.root_device)
-                broadcast_within(network)  # built for real: peers and replicas start from rank 0's draw
+                broadcast_module(network)  # built for real: peers and replicas start from rank 0's draw
             mesh, sequence_parallel = self.device_mesh["tp"], self.sequence_parallel
 
             def shard(name: str) -> None:
@@ -235,11 +236,8 @@ class TensorParallelStrategy(MeshStrategy):
         if self.dims.dp == 1:
             return
         assert self.lightning_module is not None
-        for buffer in self.network_of(self.lightning_module).buffers():
-            local = _local(buffer)
-            if local.is_floating_point():
-                dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.group("dp"))
-                local.div_(self.dims.dp)
+        buffers = [_local(b) for b in self.network_of(self.lightning_module).buffers()]
+        average_([b for b in buffers if b.is_floating_point()], self.group("dp"))
 
 
 def check_plan_argument(owner: object, plan: object) -> None:
@@ -267,14 +265,6 @@ def resolve_plan(
         exact = expand_plan(network, plan if isinstance(plan, Mapping) else own)  # type: ignore[arg-type]
     check_plan(network, exact, tensor_parallel_size=tensor_parallel_size, sequence_parallel=sequence_parallel)
     return source, exact, replicated
-
-
-def broadcast_within(network: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Every rank of `group` (default: all) takes the values of the group's first rank, whatever each drew."""
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    with torch.no_grad():
-        for tensor in [*network.parameters(), *network.buffers()]:
-            dist.broadcast(tensor.data, src=src, group=group)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
