@@ -21,6 +21,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from config_checks import root_message
 from lightning_parallel.planner import (
     Hardware,
+    Layout,
     Plan,
     Workload,
     describe,
@@ -114,11 +115,18 @@ def report(result: Plan, top: int) -> str:
     ]
     best_here = next((e for e in result.estimates if e.fits and runnable(e.layout, cuda=cuda)), None)
     if best_here is not None:
-        overrides = " ".join(train_overrides(best_here.layout, cuda=cuda) or [])
-        if result.global_batch is not None and best_here.layout.dp > 1:  # train.py's batch size is per replica
-            overrides += f" data.batch_size={result.global_batch // best_here.layout.dp}"
-        lines.append(f"Best layout train.py runs: {describe(best_here.layout)} -> python train.py {overrides}")
+        command = train_command(best_here.layout, result.global_batch, cuda=cuda)
+        lines.append(f"Best layout train.py runs: {describe(best_here.layout)} -> {command}")
     return "\n".join(lines)
+
+
+def train_command(layout: Layout, global_batch: int | None, *, cuda: bool) -> str:
+    """`python train.py ...` for a layout the strategies run; with replicas, each gets its share of `global_batch`
+    (train.py's data.batch_size is per replica)."""
+    overrides = train_overrides(layout, cuda=cuda) or []
+    if global_batch is not None and layout.dp > 1:
+        overrides.append(f"data.batch_size={global_batch // layout.dp}")
+    return " ".join(["python train.py", *overrides])
 
 
 # ---- the command ----------------------------------------------------------------------------------------------------

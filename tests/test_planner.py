@@ -35,7 +35,7 @@ from lightning_parallel.planner.schedule_costs import _simulated
 from lightning_parallel.strategies.auto import AutoStrategy
 from lightning_parallel.strategies.layouts import strategy_choice, train_overrides
 from lightning_parallel.tensor.plans import apply_plan, check_plan, expand_plan
-from plan import make_plan, report
+from plan import make_plan, report, train_command
 
 H100 = Hardware(name="H100", memory="80GB", flops=989e12, dp_overlap=0.5)
 
@@ -273,10 +273,11 @@ def test_plan_rows_compare_at_one_global_batch() -> None:
     assert result.global_batch == 32 and {e.layout.dp for e in result.estimates} >= {1, 2, 4}
     for estimate in result.estimates:
         assert estimate.batch * estimate.layout.dp == 32, (estimate.layout, estimate.batch)
-    best = next(e for e in result.estimates if e.fits)
-    line = report(result, 3).splitlines()[-1]
-    if best.layout.dp > 1:
-        assert line.endswith(f" data.batch_size={32 // best.layout.dp}"), line
+    replicated = Layout(dp=2, pp=2, schedule="1f1b", microbatches=4)
+    assert train_command(replicated, 32, cuda=False).endswith(" strategy.data_parallel_size=2 data.batch_size=16")
+    assert "data.batch_size" not in train_command(Layout(dp=1, pp=4, schedule="1f1b", microbatches=4), 32, cuda=False)
+    best = next(e for e in result.estimates if e.fits and strategy_choice(e.layout, cuda=False))
+    assert report(result, 3).splitlines()[-1].endswith(train_command(best.layout, 32, cuda=False)[len("python ") :])
 
 
 @pytest.mark.parametrize("name", hardware_presets())
