@@ -86,11 +86,13 @@ def test_user_modules_match_one_device_or_stop_with_one_line(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
-def test_traced_networks_at_four_stages_and_data_times_pipeline(tmp_path: Path) -> None:
+def test_four_processes_traced_stages_data_times_pipeline_and_3d(tmp_path: Path) -> None:
     configs = [
         run("pipeline", "four_linear_mlp", devices=4),
         run("pipeline", "tutorial_cnn", devices=4, schedule="gpipe"),
         run("pipeline", "tutorial_cnn", devices=4, data_parallel_size=2, batch_size=8),
+        # pp 2 x tp 2 of the user's nn.Sequential with self.criterion: the automatic plan shards its Linear pairs
+        run("pipeline", "sequential_mlp", devices=4, tensor_parallel_size=2),
     ]
     ranks = run_workers("drop_in", 4, configs, tmp_path)
     runs = list(zip(*ranks, strict=True))
@@ -98,6 +100,7 @@ def test_traced_networks_at_four_stages_and_data_times_pipeline(tmp_path: Path) 
     assert_matches(list(runs[1]), reference("tutorial_cnn", "criterion"))
     # dp 2 x pp 2, 8 samples per replica: one device sees the same 16-sample global batches
     assert_matches(list(runs[2]), reference("tutorial_cnn", "criterion"), replicas=2)
+    assert_matches(list(runs[3]), reference("sequential_mlp", "criterion"))
 
 
 class TwoNetworks(Classifier):
