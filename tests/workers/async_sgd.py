@@ -92,6 +92,9 @@ def main() -> None:
             describe=resumed.strategy.describe(),
         )
     torch.save(result, Path(out) / f"rank{rank}.pt")
+    # Leave together and tear down cleanly, like the other workers: gloo aborts ranks still connected at exit.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
