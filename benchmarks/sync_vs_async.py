@@ -23,6 +23,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
+from lightning_parallel.sync_methods import SYNC_METHODS
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -51,7 +53,6 @@ METHODS: dict[str, list[str]] = {
     "async_sgd": ["strategy=async_sgd"],
 }
 SLOWDOWN = 2.0
-FP32 = 4
 
 
 def snapshot_schedule(method: str, every: int) -> tuple[int, int]:
@@ -116,20 +117,11 @@ def reached(curve: list[dict[str, Any]], metric: str, target: float) -> dict[str
 
 # ---- communication -------------------------------------------------------------------------------------------------
 def bytes_per_step(method: str, parameters: int, buffers: int, workers: int, steps: int) -> dict[str, Any]:
-    """Bytes a worker sends plus receives per optimizer step, from what the method exchanges (fp32). A ring
-    all-reduce of B bytes sends and receives 2 (n-1)/n x B each; async pushes a gradient and pulls the weights."""
-    ring = 2 * 2 * (workers - 1) / workers
-    p, b = FP32 * parameters, FP32 * buffers
-    if method == "ddp":  # DDP all-reduces the gradients every step and broadcasts floating-point buffers
-        return {"bytes": ring * p + 2 * b, "formula": "4 (n-1)/n x 4P (gradient all-reduce) every step"}
-    if method == "local_sgd":  # warm-up 0: parameters averaged (torch's PeriodicModelAverager) every `period` steps
-        syncs = 1 + (steps - 1) // PERIODS[method]
-        return {"bytes": ring * p * syncs / steps, "formula": f"4 (n-1)/n x 4P / {PERIODS[method]} (parameter average)"}
-    if method == "diloco":  # the pseudo-gradient and floating-point buffers averaged every `period` steps
-        syncs = steps // PERIODS[method]
-        return {"bytes": ring * (p + b) * syncs / steps,
-                "formula": f"4 (n-1)/n x 4P / {PERIODS[method]} (pseudo-gradient average)"}  # fmt: skip
-    return {"bytes": 2 * p, "formula": "4P push (gradient) + 4P pull (weights) every step"}
+    """Bytes a worker sends plus receives per optimizer step over this run, from what the method exchanges
+    (`lightning_parallel.sync_methods`, which the planner and the sweep report read too)."""
+    row, period = SYNC_METHODS[method], PERIODS.get(method, 1)
+    sent = row.bytes_per_step(parameters, workers, period=period, buffers=buffers, steps=steps)
+    return {"bytes": sent, "formula": row.formula(period)}
 
 
 def measure(workload: str, method: str, straggler: bool, steps: int, devices: int, ev: Evaluator) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from conftest import run_cli
 from distributed import run_workers
 
 from lightning_parallel import DiLoCoStrategy, LocalSGDStrategy
+from lightning_parallel.sync_methods import SYNC_METHODS
 from train import ConfigError, build
 
 STEPS = 20
@@ -156,3 +157,12 @@ def test_cli_unknown_outer_optimizer_exits_2_with_one_line(tmp_path: Path) -> No
     assert result.returncode == 2, result.stderr[-2000:]
     assert len(lines) == 1 and "strategy.outer_optimizer._target_=torch.optim.Adamm" in lines[0], lines
     assert "HINT: did you mean strategy.outer_optimizer._target_=torch.optim.Adam?" in lines[0]
+
+
+def test_each_method_describes_itself_for_summary_json() -> None:
+    """summary.json's `parallel` names the method (a row of `sync_methods.SYNC_METHODS`) and its period, which the
+    sweep report's comparison reads."""
+    local, diloco = LocalSGDStrategy(period=4, warmup_steps=2), DiLoCoStrategy(period=10)
+    assert local.describe() == {"kind": "local_sgd", "workers": 1, "period": 4, "warmup_steps": 2}
+    assert diloco.describe() == {"kind": "diloco", "workers": 1, "period": 10}
+    assert {local.describe()["kind"], diloco.describe()["kind"]} <= set(SYNC_METHODS)

@@ -332,3 +332,22 @@ def test_train_overrides_and_auto_strategy(compose_cfg, capsys) -> None:  # noqa
     assert choice["reason"] in said
     with pytest.raises(ValueError, match="trainer.devices as a count"):
         AutoStrategy(model=nn.Sequential(), data=None, devices=-1)
+
+
+def test_a_plain_data_parallel_winner_is_told_the_sync_trade_off() -> None:
+    """Where DDP wins, the explanation names local SGD, DiLoCo and async SGD with the share of the step they would
+    save on; where a model-parallel layout wins, they do not apply (they replicate the whole model)."""
+    model, sample = meta_models()["resnet50"]
+    workload = workload_from_module(model, sample)
+    ddp = plan(workload, devices=4, hardware=H100, global_batch=4096)
+    assert ddp.best is not None and ddp.best.layout == Layout(dp=4)
+    share = ddp.best.time["dp_comm"] / ddp.best.step_time
+    assert 0 < share < 1
+    assert (
+        f"Trade-off: strategy=local_sgd or strategy=diloco exchange every `period` steps, cutting the {share:.0%}"
+        in (ddp.explain())
+    )
+    assert "strategy=async_sgd never waits" in ddp.explain()
+    pipelined = plan(workload, devices=4, hardware=H100, global_batch=256)
+    assert pipelined.best is not None and pipelined.best.layout.pp > 1
+    assert "Trade-off" not in pipelined.explain()

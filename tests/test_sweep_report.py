@@ -23,8 +23,10 @@ TINY = [
 
 
 def table(report: Path) -> dict[str, dict[str, str]]:
-    """The report's table as {job: {column: cell}}."""
-    rows = [line for line in report.read_text().splitlines() if line.startswith("| ")]
+    """The report's (first) table as {job: {column: cell}}."""
+    text = report.read_text()
+    first = text[text.index("\n| ") :].split("\n\n")[0]
+    rows = [line for line in first.splitlines() if line.startswith("| ")]
     header = [cell.strip() for cell in rows[0].strip("|").split(" | ")]
     assert header == COLUMNS
     cells = [[cell.strip() for cell in row.strip("|").split(" | ")] for row in rows[1:]]
@@ -55,6 +57,7 @@ def test_report_of_a_real_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[st
     )
     assert (ddp["overrides"], ddp["strategy"], ddp["devices"]) == ("strategy=ddp", "DDPStrategy", "2")
     summaries = {job.name: job.summary for job in load_jobs(sweep)}
+    assert summaries["1"]["parallel"] == {"kind": "ddp", "workers": 2}  # type: ignore[index]
     for name, row in rows.items():
         summary: dict[str, Any] = summaries[name]  # type: ignore[assignment]
         assert row["final train/loss"] == f"{summary['metrics']['train/loss']['final']:.4g}"
@@ -168,3 +171,43 @@ def test_bad_sweep_directory_is_one_line_and_exit_2(
     assert captured.err.count("\n") == 1 and captured.err.startswith("error: ") and expected in captured.err
     assert "HINT" in captured.err and not captured.out
     assert not list(tmp_path.rglob("*.png")) and not list(tmp_path.rglob("report.md"))
+
+
+def test_a_sweep_over_how_replicas_agree_gets_the_trade_off(tmp_path: Path) -> None:
+    """ddp vs local SGD vs async SGD: bytes per worker per step from `sync_methods`, waiting, staleness, and a
+    sentence naming the job that exchanged least and the one that reached the best headline."""
+    sweep = tmp_path / "sweep"
+    size = {"parameters": 1000}
+    staleness = [{"rank": 0, "pushes": 9, "dropped": 0, "mean": 0.5, "max": 2}]
+    runs = {
+        "ddp": {"kind": "ddp", "workers": 2},
+        "local_sgd": {"kind": "local_sgd", "workers": 2, "period": 4, "warmup_steps": 0},
+        "async_sgd": {"kind": "async_sgd", "workers": 2, "max_staleness": None, "staleness": staleness},
+    }
+    for i, (name, parallel) in enumerate(runs.items()):
+        accuracy = {"ddp": 0.97, "local_sgd": 0.96, "async_sgd": 0.98}[name]
+        content = summary("X", 2, metric="val/acc", value=accuracy, bytes_=2**20, parallel=parallel, **size)
+        write_job(sweep, str(i), [f"strategy={name}"], content)
+    text = write_report(sweep).read_text()
+    section = text[text.index("## How the replicas agree") :]
+    rows = {
+        line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in section.splitlines() if line.startswith("| ")
+    }
+    # a ring all-reduce of 4000 bytes between 2 workers: 2 x 2 x 1/2 x 4000 = 8000 bytes; local SGD every 4th step
+    assert rows["0: strategy=ddp"][1:5] == ["ddp", "0.008 MB", "yes", "val/acc 0.97"]
+    assert rows["1: strategy=local_sgd"][1:5] == ["local_sgd (period 4)", "0.002 MB", "yes", "val/acc 0.96"]
+    assert rows["2: strategy=async_sgd"][1:5] == ["async_sgd", "0.008 MB", "no", "val/acc 0.98"]
+    assert rows["2: strategy=async_sgd"][6].startswith("r0 0.50 / 2")
+    assert "`1: strategy=local_sgd` exchanged the fewest bytes per step (4x fewer than `0: strategy=ddp`)" in section
+    assert "`2: strategy=async_sgd` reached the best val/acc (0.98)" in section
+    assert table(sweep / "report.md").keys() == {"0", "1", "2"}  # the main table is unchanged
+
+
+def test_no_trade_off_section_for_one_method(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    for i in range(2):
+        parallel = {"kind": "ddp", "workers": 2}
+        write_job(
+            sweep, str(i), [f"seed={i}"], summary("X", 2, metric="val/acc", value=0.9, bytes_=1, parallel=parallel)
+        )
+    assert "How the replicas agree" not in write_report(sweep).read_text()

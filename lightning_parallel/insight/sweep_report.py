@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from lightning_parallel.insight.sync_report import sync_section
+
 HEADLINE_METRICS = ("val/acc", "val/ppl", "val/loss")  # the first one a run logged is its headline
 COLUMNS = [
     "job",
@@ -273,6 +275,7 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> Pa
         "Peak memory is the CUDA allocator's peak on GPU and the process peak RSS on CPU. "
         "Bubble is the schedule's analytic idle fraction (pipeline runs only).",
         "",
+        *sync_section([(_short(job), job.summary) for job in jobs if job.summary is not None], headline_metric),
         "![throughput](throughput.png)",
         "",
         "![memory per device](memory.png)",

@@ -15,6 +15,7 @@ from lightning_parallel.planner.estimate import CostModel, Estimate, Layout
 from lightning_parallel.planner.hardware import Hardware, human_bytes
 from lightning_parallel.planner.schedule_costs import schedule_names, valid_microbatches
 from lightning_parallel.planner.workload import Workload
+from lightning_parallel.sync_methods import alternatives
 
 MICROBATCH_CHOICES = 6  # micro-batch counts tried per (layout, schedule), spread geometrically
 
@@ -179,7 +180,8 @@ def _shares(estimate: Estimate) -> str:
 
 
 def explain(result: Plan) -> str:
-    """One sentence: the winner, its cost, and why it beats plain data parallelism (or why that is the winner)."""
+    """One sentence: the winner, its cost, and why it beats plain data parallelism (or why that is the winner); for
+    a plain data-parallel winner, a second one on what local SGD, DiLoCo or asynchronous SGD would trade."""
     best = result.best
     capacity = human_bytes(result.hardware.memory_bytes * result.hardware.usable_memory)
     if best is None:
@@ -192,7 +194,11 @@ def explain(result: Plan) -> str:
         f"{describe(best.layout)} wins at {_rate(best.throughput)} samples/s ({_seconds(best.step_time)} per step, "
         f"{human_bytes(best.memory['total'])} of {capacity} usable per device)"
     )
-    return f"{head}: {_why(result, best)}; its step is {_shares(best)}."
+    sentence = f"{head}: {_why(result, best)}; its step is {_shares(best)}."
+    layout = best.layout
+    if layout.dp > 1 and layout.pp == layout.tp == 1 and not layout.dp_shard:
+        sentence += " " + alternatives(best.time["dp_comm"] / best.step_time)
+    return sentence
 
 
 # what a winner saves against plain data parallelism, by time component

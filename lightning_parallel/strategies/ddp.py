@@ -29,6 +29,10 @@ class DDPStrategy(LightningDDPStrategy):
             timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         super().__init__(timeout=timeout, **kwargs)
 
+    def describe(self) -> dict[str, Any]:
+        """summary.json's `parallel`: how the replicas agree (`sync_methods.SYNC_METHODS`), for the sweep report."""
+        return {"kind": "ddp", "workers": self.world_size}
+
     @override
     def _configure_launcher(self) -> None:
         check_nodes(self.num_nodes, self.cluster_environment)  # in the main process, before any launch

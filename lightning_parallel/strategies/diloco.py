@@ -61,6 +61,10 @@ class DiLoCoStrategy(DDPStrategy):
         self.outer_optimizer = outer_optimizer
         self._outer: OuterLoop | None = None
 
+    @override
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "kind": "diloco", "period": self.period}
+
     @property
     def outer(self) -> OuterLoop:
         """The outer loop of the current fit (exists from `setup` on)."""

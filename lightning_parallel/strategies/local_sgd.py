@@ -40,6 +40,10 @@ class LocalSGDStrategy(DDPStrategy):
         self.warmup_steps = warmup_steps
 
     @override
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "kind": "local_sgd", "period": self.period, "warmup_steps": self.warmup_steps}
+
+    @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers communication hooks on CUDA only; DDP takes them on gloo as well. The state is made
         # here, once the process group exists, fresh for each fit; Lightning's setup sees it and wraps the
