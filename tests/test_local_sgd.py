@@ -1,5 +1,5 @@
-"""strategy=local_sgd and strategy=diloco: period 1 equals DDP, larger periods sync exactly at their steps, DiLoCo
-resumes exactly, and bad values are one line before launch.
+"""strategy=local_sgd and strategy=diloco: period 1 equals DDP, larger periods sync exactly at their steps, both
+resume exactly from mid-period, and bad values are one line before launch.
 
 Why period 1 equals DDP: with H=1 the averaged parameters (local SGD), or the outer step with lr 1 and no momentum
 applied to the averaged change (DiLoCo), are the mean of the replicas' updates: for SGD, whose update is linear in
@@ -30,9 +30,20 @@ FITS = {
     "ddp": {"strategy": "ddp", "momentum": PLAIN},
     "local_sgd_1": {"strategy": "local_sgd", "args": {"period": 1}, "momentum": PLAIN},
     "diloco_1": {"strategy": "diloco", "args": {"period": 1, "outer_optimizer": [1.0, 0.0, False]}, "momentum": PLAIN},
-    "local_sgd_4": {"strategy": "local_sgd", "args": {"period": 4, "warmup_steps": 3}, "momentum": MOMENTUM},
+    "local_sgd_4": {
+        "strategy": "local_sgd",
+        "args": {"period": 4, "warmup_steps": 3},
+        "momentum": MOMENTUM,
+        "save": True,
+    },
+    "local_sgd_4_resumed": {
+        "strategy": "local_sgd",
+        "args": {"period": 4, "warmup_steps": 3},
+        "momentum": MOMENTUM,
+        "resume": "local_sgd_4",
+    },
     "diloco_4": {"strategy": "diloco", "args": {"period": 4}, "momentum": MOMENTUM, "save": True},  # Nesterov outer
-    "diloco_4_resumed": {"strategy": "diloco", "args": {"period": 4}, "momentum": MOMENTUM, "resume": "step=10.ckpt"},
+    "diloco_4_resumed": {"strategy": "diloco", "args": {"period": 4}, "momentum": MOMENTUM, "resume": "diloco_4"},
 }
 
 
@@ -41,10 +52,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, A
     """Fit name -> each rank's {losses, state, sums}."""
     out = tmp_path_factory.mktemp("local_sgd")
     configs = []
-    for config in FITS.values():
-        config = {**config, "steps": STEPS, "save_dir": str(out / "checkpoints") if config.get("save") else None}
-        if "resume" in config:
-            config["resume"] = str(out / "checkpoints" / config["resume"])
+    for name, config in FITS.items():
+        config = {**config, "steps": STEPS, "save_dir": str(out / name) if config.get("save") else None}
+        if "resume" in config:  # the saving fit's step-10 checkpoint
+            config["resume"] = str(out / config["resume"] / "step=10.ckpt")
         configs.append(config)
     per_rank = run_workers("local_sgd", 2, configs, out / "launch", timeout=240)
     return {name: [per_rank[rank][i] for rank in range(2)] for i, name in enumerate(FITS)}
@@ -89,10 +100,13 @@ def test_replicas_equal_right_after_each_averaging_and_differ_between(
 
 
 @pytest.mark.slow
-def test_diloco_resume_equals_an_uninterrupted_run(runs: dict[str, list[dict[str, Any]]]) -> None:
-    # Saved at step 10, half-way through a period: each replica's own weights and momentum matter.
+@pytest.mark.parametrize("name", ["local_sgd_4", "diloco_4"])
+def test_resume_equals_an_uninterrupted_run(runs: dict[str, list[dict[str, Any]]], name: str) -> None:
+    # Saved at step 10, half-way through a period: each replica's own weights and momentum matter (Lightning alone
+    # would restart both replicas from rank 0's).
+    assert abs(runs[name][0]["sums"][9] - runs[name][1]["sums"][9]) > 1e-6  # the replicas differed at the save
     for rank in range(2):
-        whole, resumed = runs["diloco_4"][rank], runs["diloco_4_resumed"][rank]
+        whole, resumed = runs[name][rank], runs[f"{name}_resumed"][rank]
         assert len(resumed["losses"]) == STEPS - 10
         assert max(abs(a - b) for a, b in zip(whole["losses"][10:], resumed["losses"], strict=True)) < 1e-6
         assert max(abs(a - b) for a, b in zip(whole["sums"][10:], resumed["sums"], strict=True)) < 1e-6

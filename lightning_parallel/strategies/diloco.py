@@ -12,8 +12,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
@@ -23,6 +21,7 @@ from lightning_parallel.diloco import OuterLoop
 from lightning_parallel.replicas import broadcast_module
 from lightning_parallel.strategies.arguments import check_int, reject
 from lightning_parallel.strategies.ddp import DDPStrategy
+from lightning_parallel.strategies.replica_states import gather_replica_states, restore_replica_state
 
 # The DiLoCo paper's outer optimizer (Douillard et al., 2023): Nesterov SGD.
 DEFAULT_OUTER = partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
@@ -108,18 +107,11 @@ class DiLoCoStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         # Every rank gets here (Trainer.save_checkpoint); only a full checkpoint (not weights_only) has optimizers.
         if self._outer is not None and "optimizer_states" in checkpoint:
-            checkpoint = {**checkpoint, "diloco": {"outer": self._outer.state_dict(), "replicas": self._gather()}}
+            checkpoint = {
+                **checkpoint,
+                "diloco": {"outer": self._outer.state_dict(), "replicas": gather_replica_states(self)},
+            }
         super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    def _gather(self) -> list[dict[str, Any]] | None:
-        """Every replica's weights and inner optimizer state on rank 0 (they differ between syncs)."""
-        own = {
-            "module": self.lightning_module_state_dict(),
-            "optimizers": [self.optimizer_state(optimizer) for optimizer in self.optimizers],
-        }
-        gathered: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
-        dist.gather_object(move_data_to_device(own, "cpu"), gathered, dst=0)
-        return gathered
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -127,17 +119,7 @@ class DiLoCoStrategy(DDPStrategy):
         state = checkpoint.get("diloco")
         if state is None:  # e.g. a DDP checkpoint: the outer loop starts from the weights it restored
             return
-        replicas = state["replicas"]
-        if len(replicas) != self.world_size:
-            raise ValueError(
-                f"DiLoCoStrategy: the checkpoint holds {len(replicas)} replicas, this run has {self.world_size}. "
-                f"HINT: resume with trainer.devices={len(replicas)} (x trainer.num_nodes)"
-            )
-        own, module = replicas[self.global_rank], self.lightning_module
-        assert module is not None  # restored after set-up
-        module.load_state_dict(own["module"])
-        for optimizer, optimizer_state in zip(self.optimizers, own["optimizers"], strict=True):
-            optimizer.load_state_dict(optimizer_state)
+        restore_replica_state(self, state["replicas"])
         self.outer.load_state_dict(state["outer"])
 
 

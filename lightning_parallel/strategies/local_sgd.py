@@ -2,19 +2,22 @@
 all-reduced), then each replica steps alone and torch's `PeriodicModelAverager` averages the parameters every
 `period` steps (Lightning's `model_averaging_period`).
 
-Only the glue Lightning lacks: the hook's state made per fit, the hook registered on CPU too, counters on resume.
+Only the glue Lightning lacks: the hook's state made per fit, the hook registered on CPU too, counters on resume, and
+every replica's own state in checkpoints (replicas differ between averagings; Lightning keeps rank 0's only).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from lightning.fabric.utilities.types import _PATH
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_parallel.strategies.arguments import check_int, reject
 from lightning_parallel.strategies.ddp import DDPStrategy
+from lightning_parallel.strategies.replica_states import gather_replica_states, restore_replica_state
 
 # Set by this class: the post-local-SGD hook, its state and the averaging period.
 OWN = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
@@ -69,3 +72,17 @@ class LocalSGDStrategy(DDPStrategy):
         if isinstance(self._ddp_comm_state, PostLocalSGDState) and self._model_averager is not None:
             self._ddp_comm_state.iter = steps
             self._model_averager.step = steps
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        # Every rank gets here (Trainer.save_checkpoint); only a full checkpoint (not weights_only) has optimizers.
+        if "optimizer_states" in checkpoint:
+            checkpoint = {**checkpoint, "local_sgd": {"replicas": gather_replica_states(self)}}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        state = checkpoint.get("local_sgd")
+        if state is not None:  # absent in e.g. a DDP checkpoint: every replica starts from the weights restored
+            restore_replica_state(self, state["replicas"])
