@@ -70,10 +70,14 @@ def assert_states_close(state: dict[str, torch.Tensor], expected: dict[str, torc
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["local_sgd_1", "diloco_1"])
 def test_period_one_equals_ddp(runs: dict[str, list[dict[str, Any]]], name: str) -> None:
+    # DDP logs the loss averaged over the ranks; local SGD and DiLoCo log each rank's own (no meeting per step).
+    own = [runs[name][rank]["losses"] for rank in range(2)]
+    assert own[0] != own[1]
+    mean = [(a + b) / 2 for a, b in zip(*own, strict=True)]
     for rank in range(2):
         ddp, other = runs["ddp"][rank], runs[name][rank]
         assert len(other["losses"]) == len(ddp["losses"]) == STEPS
-        assert max(abs(a - b) for a, b in zip(ddp["losses"], other["losses"], strict=True)) < 1e-5
+        assert max(abs(a - b) for a, b in zip(ddp["losses"], mean, strict=True)) < 1e-5
         assert_states_close(other["state"], ddp["state"], atol=1e-5)
     assert abs(runs["ddp"][0]["sums"][-1] - runs["ddp"][0]["sums"][0]) > 1e-2  # not a comparison of idle weights
 

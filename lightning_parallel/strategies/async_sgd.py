@@ -17,15 +17,14 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_parallel.async_sgd import SERVER_RANK, ParameterServer, ServerClient, flat_gradient, load_flat
 from lightning_parallel.replicas import average_
-from lightning_parallel.seams import private_method
 from lightning_parallel.strategies.arguments import check_int
 from lightning_parallel.strategies.ddp import DEFAULT_TIMEOUT, DDPStrategy
+from lightning_parallel.strategies.steps_alone import StepsAlone
 
 
 class _PushingOptimizer:
@@ -45,7 +44,7 @@ class _PushingOptimizer:
         return loss
 
 
-class AsyncSGDStrategy(DDPStrategy):
+class AsyncSGDStrategy(StepsAlone, DDPStrategy):
     """Asynchronous SGD: Lightning's DDP processes and data sharding without DDP's wrapper or gradient all-reduce.
 
     Every rank is a worker; rank 0 also hosts the parameter server, which steps a copy of the optimizer that
@@ -106,16 +105,6 @@ class AsyncSGDStrategy(DDPStrategy):
             self._client = ServerClient(groups[self.global_rank], numel=numel, dtype=self._params[0].dtype)
         self.exchanging = True
         self.load_server_weights()  # rank 0's weights (those of a resumed checkpoint included) everywhere
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        # Lightning broadcasts rank 0's SIGTERM flag before every training batch: a meeting of all ranks per step.
-        loop = self.lightning_module.trainer.fit_loop.epoch_loop
-        private_method(
-            loop, "_broadcast_sigterm_tensor", library="lightning", why="train without meeting", parameters=0
-        )
-        loop._broadcast_sigterm_tensor = partial(_local_sigterm, self.lightning_module.trainer)
 
     @override
     def optimizer_step(
@@ -185,17 +174,10 @@ class AsyncSGDStrategy(DDPStrategy):
             self._server.load_optimizer_state(state)
 
     @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        if self.exchanging and self.lightning_module.trainer.training:
-            return tensor  # each worker's own value: a reduction would be a meeting of all ranks at every step
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
-
-    @override
     def on_train_end(self) -> None:
         super().on_train_end()
         if not self.exchanging:
             return
-        vars(self.lightning_module.trainer.fit_loop.epoch_loop).pop("_broadcast_sigterm_tensor", None)
         if self._client is not None:
             self._client.leave(self._version)
         else:
@@ -216,9 +198,3 @@ class AsyncSGDStrategy(DDPStrategy):
             described["updates"] = self._server.version
             described["staleness"] = [{"rank": rank, **seen} for rank, seen in self._server.staleness().items()]
         return described
-
-
-def _local_sigterm(trainer: pl.Trainer) -> None:
-    """Lightning's per-batch SIGTERM check without the broadcast: each rank answers for its own signal."""
-    if trainer.received_sigterm:
-        raise SIGTERMException(1)

@@ -22,6 +22,7 @@ from lightning_parallel.replicas import broadcast_module
 from lightning_parallel.strategies.arguments import check_int, reject
 from lightning_parallel.strategies.ddp import DDPStrategy
 from lightning_parallel.strategies.replica_states import gather_replica_states, restore_replica_state
+from lightning_parallel.strategies.steps_alone import StepsAlone
 
 # The DiLoCo paper's outer optimizer (Douillard et al., 2023): Nesterov SGD.
 DEFAULT_OUTER = partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
@@ -31,11 +32,12 @@ ACCEPTED = {"accelerator", "parallel_devices", "cluster_environment", "checkpoin
 ACCEPTED |= {"process_group_backend", "timeout", "start_method"}
 
 
-class DiLoCoStrategy(DDPStrategy):
+class DiLoCoStrategy(StepsAlone, DDPStrategy):
     """Replicas step alone for `period` steps; then their mean pseudo-gradient goes through `outer_optimizer`.
 
     The replicas are all processes (the data-parallel group); the state a resume needs (every replica's weights and
-    inner optimizer state, the synced copy, the outer optimizer) travels in the Lightning checkpoint.
+    inner optimizer state, the synced copy, the outer optimizer) travels in the Lightning checkpoint. Between syncs
+    ranks do not meet: training-time `self.log(..., sync_dist=True)` logs each rank's own value (`StepsAlone`).
 
     Args:
         period: inner optimizer steps between syncs (H; the paper uses 500).

@@ -18,13 +18,15 @@ from typing_extensions import override
 from lightning_parallel.strategies.arguments import check_int, reject
 from lightning_parallel.strategies.ddp import DDPStrategy
 from lightning_parallel.strategies.replica_states import gather_replica_states, restore_replica_state
+from lightning_parallel.strategies.steps_alone import StepsAlone
 
 # Set by this class: the post-local-SGD hook, its state and the averaging period.
 OWN = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
 
-class LocalSGDStrategy(DDPStrategy):
-    """`DDPStrategy` (same arguments) running post-local SGD.
+class LocalSGDStrategy(StepsAlone, DDPStrategy):
+    """`DDPStrategy` (same arguments) running post-local SGD. Between averagings ranks do not meet: training-time
+    `self.log(..., sync_dist=True)` logs each rank's own value (`steps_alone.StepsAlone`).
 
     Args:
         period: optimizer steps between parameter averagings (>= 1; 1 is DDP with extra work).
