@@ -1,7 +1,8 @@
 """Synchronous DDP vs local SGD vs DiLoCo vs asynchronous SGD, each run by train.py on the same step budget: wall time
 and steps to a target, final metric and bytes communicated per worker per step, with and without one worker made 2x
 slower. Rank 0's weights are recorded during training (benchmarks/race.py) and evaluated here, outside the run, so no
-validation meeting paces the workers. Writes results/sync_vs_async.{json,md} and one loss-vs-time plot per workload.
+validation meeting paces the workers. Writes results/sync_vs_async_<n>p.{json,md} (n processes) and one loss-vs-time
+plot per workload.
 Usage: .venv/bin/python benchmarks/sync_vs_async.py [--quick] [--workloads digits gpt] [--methods ddp async_sgd]
 """
 
@@ -200,7 +201,7 @@ def plot(result: dict[str, Any], workload: str) -> Path:
     axes[0][0].legend()
     figure.suptitle(f"{WORKLOADS[workload]['label']}, {result['devices']} CPU processes", fontsize=10)
     figure.tight_layout()
-    path = RESULTS / f"sync_vs_async_{workload}.png"
+    path = RESULTS / f"{stem(result)}_{workload}.png"
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
@@ -246,9 +247,14 @@ def table(result: dict[str, Any], workload: str) -> list[str]:
     return lines
 
 
+def stem(result: dict[str, Any]) -> str:
+    """Result files per process count: `sync_vs_async_2p.md`, `sync_vs_async_4p.md`."""
+    return f"sync_vs_async_{result['devices']}p"
+
+
 def write_report(result: dict[str, Any]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "sync_vs_async.json").write_text(json.dumps(result, indent=2))
+    (RESULTS / f"{stem(result)}.json").write_text(json.dumps(result, indent=2))
     workloads = list(dict.fromkeys(r["workload"] for r in result["runs"]))
     lines = [
         "# Synchronous vs local vs asynchronous SGD",
@@ -258,6 +264,15 @@ def write_report(result: dict[str, Any]) -> None:
         f"run per (workload, method, straggler) with `{' '.join(RUN)}`. One run each: timings to a target carry "
         "run-to-run noise (the GPT's loss sits on a plateau near ln(32) and then drops, a sudden step whose timing "
         "varies), and the time resolution is the snapshot spacing.",
+        *(
+            [
+                "",
+                f"**{result['devices']} processes on {os.cpu_count()} cores**: processes share cores, so each "
+                "worker's step also waits for the CPU, and a straggler's sleep hands its core to the others.",
+            ]
+            if result["devices"] > (os.cpu_count() or 1)
+            else []
+        ),
         "",
         "- **time / steps to target**: rank 0's weights are copied right after a synchronisation point (every few "
         "steps: DDP and async any step; local SGD after steps 1, 1 + period, ...; DiLoCo after multiples of the "
@@ -271,15 +286,16 @@ def write_report(result: dict[str, Any]) -> None:
         "rank 1 is less than 2x slower.",
         f"- **periods**: local SGD {PERIODS['local_sgd']} (no warm-up), DiLoCo {PERIODS['diloco']} (outer Nesterov SGD "
         "lr 0.7, momentum 0.9); same per-worker batch and AdamW as train.py's defaults for every method.",
-        "- **bytes / worker / step**: sent + received per worker per optimizer step, from the method (fp32: 4 bytes "
-        "per value), not measured; a ring all-reduce of B bytes sends and receives 2 (n-1)/n x B each. Not counted: "
-        "the 4-byte training-loss all-reduce (`sync_dist=True`) and Lightning's per-batch SIGTERM broadcast, which "
-        "every method but async does every step.",
+        "- **bytes / worker / step**: sent + received per worker per optimizer step, from the method's row in "
+        "`lightning_parallel/sync_methods.py` (fp32: 4 bytes per value), not measured; a ring all-reduce of B bytes "
+        "sends and receives 2 (n-1)/n x B each. Not counted: DDP's 4-byte training-loss all-reduce "
+        "(`sync_dist=True`) and Lightning's per-batch SIGTERM broadcast; local SGD, DiLoCo and async skip both "
+        "(`strategies/steps_alone.py`), so between syncs their workers never meet.",
         "",
     ]
     for workload in workloads:
-        lines += [*table(result, workload), "", f"![{workload}](sync_vs_async_{workload}.png)", ""]
-    (RESULTS / "sync_vs_async.md").write_text("\n".join(lines))
+        lines += [*table(result, workload), "", f"![{workload}]({stem(result)}_{workload}.png)", ""]
+    (RESULTS / f"{stem(result)}.md").write_text("\n".join(lines))
     for workload in workloads:
         plot(result, workload)
 
@@ -306,7 +322,7 @@ def main() -> None:
               "devices": args.devices, "slowdown": SLOWDOWN, "periods": PERIODS, "run": RUN,
               "wall_s": time.perf_counter() - started, "runs": runs}  # fmt: skip
     write_report(result)
-    print(f"wrote {RESULTS / 'sync_vs_async.md'} in {result['wall_s']:.0f} s")
+    print(f"wrote {RESULTS / stem(result)}.md in {result['wall_s']:.0f} s")
 
 
 if __name__ == "__main__":

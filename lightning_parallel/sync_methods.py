@@ -66,7 +66,7 @@ SYNC_METHODS: dict[str, SyncMethod] = {
     )
 }
 
-MEASURED = "benchmarks/results/sync_vs_async.md"  # where the steps-to-target side of the trade-off is measured
+MEASURED = "benchmarks/results/sync_vs_async_{2,4}p.md"  # where the steps-to-target side of the trade-off is measured
 
 
 def alternatives(gradient_share: float) -> str:
