@@ -30,9 +30,10 @@ from lightning_parallel.strategies import base
 
 # 3 steps of SimpleCNN on digits; Lightning's own ModelCheckpoint writes the final weights at the end.
 TINY = ["trainer=cpu", "trainer.max_steps=3", "callbacks=none"]
-# pp(4) across both nodes; tp(2) inside each node with dp(2) across. (Lightning's own DDP behaves the same across
-# torchrun nodes, checked by hand; each layout here costs ~60 s of this 2-core machine's time.)
-LAYOUTS = {"pipeline": ["strategy=pipeline"], "tensor": ["strategy=tensor", "strategy.data_parallel_size=2"]}
+# pp(2) across the nodes, tp(2) inside each (channel-parallel convs inside pipeline stages): the 3D placement. One
+# layout for both launchers, so one 4-process reference serves both tests. (Lightning's own DDP behaves the same
+# across torchrun nodes, checked by hand.)
+LAYOUT = ["strategy=pipeline", "strategy.tensor_parallel_size=2"]
 TWO_NODES = ["trainer.devices=2", "trainer.num_nodes=2"]
 # What a launcher tells its processes: none may leak in from the environment the tests run in.
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR")
@@ -104,6 +105,7 @@ def assert_same_run(got: Path, want: Path) -> None:
     got_loss, got_weights, summary = final_state(got)
     want_loss, want_weights, _ = final_state(want)
     assert summary["world_size"] == 4 and len(got_loss) == 3
+    assert (summary["parallel"]["pipeline_size"], summary["parallel"]["tensor_parallel_size"]) == (2, 2)
     assert max(abs(a - b) for a, b in zip(got_loss, want_loss, strict=True)) < 1e-5, (got_loss, want_loss)
     assert got_weights.keys() == want_weights.keys()
     worst = max((got_weights[k] - want_weights[k]).abs().max().item() for k in want_weights)
@@ -112,34 +114,33 @@ def assert_same_run(got: Path, want: Path) -> None:
 
 @pytest.fixture(scope="module")
 def one_launch(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The reference per layout: train.py launching 4 processes itself on one node (run once, on demand)."""
-    runs: dict[str, Path] = {}
+    """The reference: train.py launching 4 processes itself on one node (run once, on demand)."""
+    runs: list[Path] = []
 
-    def run(layout: str) -> Path:
-        if layout not in runs:
-            out = tmp_path_factory.mktemp(f"one_launch_{layout}")
-            train = [sys.executable, str(ROOT / "train.py"), *TINY, *LAYOUTS[layout], "trainer.devices=4"]
+    def run() -> Path:
+        if not runs:
+            out = tmp_path_factory.mktemp("one_launch")
+            train = [sys.executable, str(ROOT / "train.py"), *TINY, *LAYOUT, "trainer.devices=4"]
             codes = run_together([([*train, f"hydra.run.dir={out / 'run'}"], clean_env())], out / "logs")
             assert codes == [0], tails(out / "logs")
-            runs[layout] = out / "run"
-        return runs[layout]
+            runs.append(out / "run")
+        return runs[0]
 
     return run
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("layout", ["pipeline"])  # tensor across nodes: the SLURM test below
-def test_two_torchrun_nodes_equal_one_launch(tmp_path: Path, one_launch: Any, layout: str) -> None:
+def test_two_torchrun_nodes_equal_one_launch(tmp_path: Path, one_launch: Any) -> None:
     """`torchrun --nnodes=2` once per "node", one static rendezvous at node 0 (as on a cluster, with
     --master-addr=<node 0>): both exit 0 and train exactly as train.py's own 4-process launch."""
     run, port = tmp_path / "run", free_port()
     node = f"-m torch.distributed.run --nnodes=2 --nproc-per-node=2 --master-addr=127.0.0.1 --master-port={port}"
-    args = [str(ROOT / "train.py"), *TINY, *LAYOUTS[layout], *TWO_NODES, f"hydra.run.dir={run}"]
+    args = [str(ROOT / "train.py"), *TINY, *LAYOUT, *TWO_NODES, f"hydra.run.dir={run}"]
     launches = [([sys.executable, *node.split(), f"--node-rank={n}", *args], clean_env()) for n in (0, 1)]
     codes = run_together(launches, tmp_path / "logs")
     assert codes == [0, 0], tails(tmp_path / "logs")
-    assert_same_run(run, one_launch(layout))
+    assert_same_run(run, one_launch())
 
 
 def free_slurm_port() -> int:
@@ -171,14 +172,14 @@ def test_slurm_tasks_on_two_nodes_equal_one_launch(tmp_path: Path, one_launch: A
         "SLURM_NODELIST": "127.0.0.2,127.0.0.3",
         "SLURM_JOB_NODELIST": "127.0.0.2,127.0.0.3",
     }
-    args = [sys.executable, str(ROOT / "train.py"), *TINY, *LAYOUTS["tensor"], *TWO_NODES, f"hydra.run.dir={run}"]
+    args = [sys.executable, str(ROOT / "train.py"), *TINY, *LAYOUT, *TWO_NODES, f"hydra.run.dir={run}"]
     tasks = [
         (args, clean_env(**slurm, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % 2), SLURM_NODEID=str(rank // 2)))
         for rank in range(4)
     ]
     codes = run_together(tasks, tmp_path / "logs")
     assert codes == [0, 0, 0, 0], tails(tmp_path / "logs")
-    assert_same_run(run, one_launch("tensor"))
+    assert_same_run(run, one_launch())
 
 
 # ---- no processes --------------------------------------------------------------------------------------------
