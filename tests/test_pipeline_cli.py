@@ -1,6 +1,6 @@
-"""The pipeline strategy from train.py: SimpleCNN, ResNet-152 and the transformer on 4 CPU processes (ResNet-18
-runs under the strategy in test_pipeline_features.py), in one sweep, which
-also checks that consecutive multi-process jobs each get a fresh process group), and bad input."""
+"""The pipeline strategy from train.py: SimpleCNN and ResNet-18 in one sweep on 4 CPU processes (which also checks
+that consecutive multi-process jobs each get a fresh process group), the transformer, and bad input. (ResNet-152's
+split over 4 stages: tests/test_partition.py.)"""
 
 from __future__ import annotations
 
