@@ -87,6 +87,10 @@ LAYOUTS: list[tuple[str, Layout]] = [
     ("cnn", Layout(dp=2)),
     ("cnn", pipe(1, "1f1b", 4)),
     ("cnn", Layout(dp=1, tp=2)),
+    # pipeline x tensor (3D): tp inside each stage; the last one on 8 processes (4 per core here)
+    ("gpt", Layout(dp=1, pp=2, tp=2, schedule="1f1b", microbatches=4)),
+    ("cnn", Layout(dp=1, pp=2, tp=2, schedule="1f1b", microbatches=4)),
+    ("gpt", Layout(dp=2, pp=2, tp=2, schedule="1f1b", microbatches=2)),
 ]
 # Calibration runs, none of them in LAYOUTS: (model, layout, batch), grouped by the constant they pin down. Their
 # micro-batches lie within the block timings' fitted sizes.
