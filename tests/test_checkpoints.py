@@ -1,10 +1,11 @@
-"""Sharded checkpoints: saved on one layout (pipeline, tensor, or pipeline x tensor), they load into one plain
-process and resume on another layout, matching a straight single-process run (optimizer state included); the
-export command writes one file that loads with weights_only=True and with the task's load_from_checkpoint."""
+"""Sharded checkpoints: a run resumed link by link along 2x2x2 -> one process -> 1x4x1 -> 1x1x2 -> 2x2x2
+(dp x pp x tp) matches a straight single-process run (optimizer state included); a sharded checkpoint loads into
+one plain process; the export command writes one file that loads with weights_only=True and with the task's
+load_from_checkpoint."""
 
 from __future__ import annotations
 
-import subprocess
+import math
 import sys
 from pathlib import Path
 
@@ -13,9 +14,11 @@ import torch
 from distributed import WORKERS, run_workers
 
 sys.path.insert(0, str(WORKERS))
-from checkpointing import build  # noqa: E402
+from checkpointing import build, sizes  # noqa: E402
+from common import full_state  # noqa: E402
 
 from lightning_parallel.checkpoint import is_sharded_checkpoint, load_module  # noqa: E402
+from lightning_parallel.checkpoint import main as export_command  # noqa: E402
 from lightning_parallel.tasks import LanguageModelTask  # noqa: E402
 
 
@@ -23,65 +26,57 @@ def merged(results: list[dict]) -> dict[str, torch.Tensor]:
     return {name: value for result in results for name, value in result["state"].items()}
 
 
-# (saved by, processes) -> (resumed by, processes): a layout change at every resume (dp x pp x tp in the ids).
-# Two stages -> four: test_traced_split_saves_on_two_stages_loads_into_one_process_and_resumes_on_four.
-CHAINS = {
-    "1x2x1 -> 1x2x2": (("pipeline", 2), ("pipeline_x_tensor", 4)),
-    "1x2x2 -> 1x1x2": (("pipeline_x_tensor", 4), ("tensor", 2)),
-}
+# Issue 10 item 3, dp x pp x tp: every link resumes from the previous link's checkpoint on another layout.
+CHAIN = ("2x2x2", "1x1x1", "1x4x1", "1x1x2", "2x2x2")
+EVERY = 5  # steps per link: one epoch, since Lightning resumes a plain DataLoader exactly only at an epoch end
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chain", CHAINS)
-def test_save_load_into_one_process_and_resume_on_another_layout(tmp_path: Path, chain: str) -> None:
-    (kind, size), (resume_kind, resume_size) = CHAINS[chain]
-    saved = tmp_path / "checkpoints"
-    ckpt10, ckpt20 = saved / "step=10.ckpt", saved / "step=20.ckpt"
-    first = run_workers(
-        "checkpointing",
-        size,
-        {"strategy": kind, "size": size, "steps": 10, "resume_from": None, "save_dir": str(saved)},
-        tmp_path / "a",
-    )
-    assert is_sharded_checkpoint(ckpt10) and not list(saved.glob("*.partial"))
+@pytest.mark.timeout(480)  # 23 processes start one after another: 2 to 3 minutes on 2 busy cores
+def test_resume_along_2x2x2_one_process_1x4x1_1x1x2_2x2x2(tmp_path: Path) -> None:
+    """Each link trains EVERY steps and matches the straight single-process run's losses, and the last link its
+    weights, so model and optimizer state crossed every layout change.
 
-    # The straight single-process run: 10 steps, then 10 more.
-    trainer, task, data, recorder = build(1, 20, "auto")
+    "One process" (1x1x1) is the tensor strategy on one process: a plain Trainer cannot resume from a sharded
+    checkpoint (Lightning's TorchCheckpointIO reads one file; `export` writes DCP's flattened optimizer state, not
+    Lightning's `optimizer_states`), and a mesh strategy cannot resume from a plain `.ckpt` (`read_meta` refuses a
+    file). A plain process is covered by `load_module` (the 2x2x2 weights) and the export at the end."""
+    steps = EVERY * len(CHAIN)
+    trainer, task, data, recorder = build(1, steps, "auto")
     trainer.fit(task, datamodule=data)
-    straight = {name: p.detach().clone() for name, p in task.model.named_parameters()}
+    straight_losses, straight = recorder.history["train/loss"], full_state(task.model)
 
-    # Into one process: the 10-step checkpoint equals the parallel run's own weights at step 10.
-    _, fresh, _, _ = build(1, 20, "auto")
-    load_module(fresh, ckpt10)
-    whole = dict(fresh.model.named_parameters())
-    for name, value in merged(first).items():
-        if name in whole:
-            torch.testing.assert_close(whole[name], value, rtol=0, atol=0, msg=name)
+    saved, resume_from = tmp_path / "checkpoints", None
+    for link, layout in enumerate(CHAIN):
+        start, stop = link * EVERY, (link + 1) * EVERY
+        payload = {"layout": layout, "steps": stop, "every": EVERY, "resume_from": resume_from, "save_dir": str(saved)}
+        results = run_workers("checkpointing", math.prod(sizes(layout)), payload, tmp_path / f"{link}-{layout}")
+        assert all(result["step"] == stop for result in results), layout
+        losses = results[0]["losses"]
+        assert max(abs(a - b) for a, b in zip(losses, straight_losses[start:stop], strict=True)) < 1e-5, layout
+        checkpoint = saved / f"step={stop}.ckpt"
+        assert is_sharded_checkpoint(checkpoint) and not list(saved.glob("*.partial"))
+        if link == 0:  # into one plain process: the sharded checkpoint equals the saving run's own weights
+            _, fresh, _, _ = build(1, steps, "auto")
+            load_module(fresh, checkpoint)
+            whole = full_state(fresh.model)
+            for name, value in merged(results).items():
+                torch.testing.assert_close(whole[name], value, rtol=0, atol=0, msg=name)
+        resume_from = str(checkpoint)
 
-    # Resumed on another layout for steps 10..19: the same losses and weights (optimizer state included).
-    second = run_workers(
-        "checkpointing",
-        resume_size,
-        {"strategy": resume_kind, "size": resume_size, "steps": 20, "resume_from": str(ckpt10), "save_dir": str(saved)},
-        tmp_path / "b",
-    )
-    assert all(result["step"] == 20 for result in second)
-    resumed_losses = second[0]["losses"]
-    assert max(abs(a - b) for a, b in zip(resumed_losses, recorder.history["train/loss"][10:], strict=True)) < 1e-5
-    resumed = {name: value for name, value in merged(second).items() if name in straight}
-    assert resumed.keys() == straight.keys()
-    for name, value in resumed.items():
-        torch.testing.assert_close(value, straight[name], rtol=0, atol=1e-5, msg=name)
+    assert merged(results).keys() == straight.keys()
+    for result in results:  # every replica of every stage
+        for name, value in result["state"].items():
+            torch.testing.assert_close(value, straight[name], rtol=0, atol=1e-5, msg=name)
 
-    # One documented command exports a plain single-file checkpoint.
+    # One documented command exports a plain single-file checkpoint (its main, in this process: a launch costs 5 s).
     out = tmp_path / "export" / "model.ckpt"
-    command = [sys.executable, "-m", "lightning_parallel.checkpoint", "export", str(ckpt20), str(out)]
-    subprocess.run(command, check=True, capture_output=True)
+    assert export_command(["export", resume_from, str(out)]) == 0
     exported = torch.load(out, weights_only=True)  # plain tensors and containers: loads without trusting code
-    assert exported["global_step"] == 20
+    assert exported["global_step"] == steps
     # ... and loads the Lightning way: the task rebuilds its network from the saved hyperparameters.
     loaded = LanguageModelTask.load_from_checkpoint(out, map_location="cpu")
-    for name, value in straight.items():
+    for name, value in task.model.named_parameters():
         torch.testing.assert_close(exported["state_dict"][f"model.{name}"], value, rtol=0, atol=1e-5)
         torch.testing.assert_close(loaded.model.get_parameter(name), value, rtol=0, atol=1e-5)
 
