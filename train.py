@@ -38,7 +38,7 @@ from config_checks import (
     resolve_checkpoint,
     root_message,
 )
-from lightning_parallel.callbacks import RunSummary
+from lightning_parallel.callbacks import ExactResume, RunSummary
 from lightning_parallel.checkpoint import check_matches
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.tasks import ClassificationTask, LanguageModelTask, Task
@@ -79,11 +79,12 @@ def build_strategy(cfg: DictConfig, data: pl.LightningDataModule | None = None) 
 
 
 def build_trainer(cfg: DictConfig, summary: RunSummary, data: pl.LightningDataModule) -> pl.Trainer:
-    """The Trainer with its strategy, callbacks (plus the run summary) and logger."""
+    """The Trainer with its strategy, callbacks (plus the run summary and `ExactResume`) and logger."""
     callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None]
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     strategy = build_strategy(cfg, data)
-    return instantiate_at(cfg, "trainer", strategy=strategy, callbacks=[*callbacks, summary], logger=logger)
+    callbacks += [ExactResume(), summary]
+    return instantiate_at(cfg, "trainer", strategy=strategy, callbacks=callbacks, logger=logger)
 
 
 def build(cfg: DictConfig) -> tuple[pl.Trainer, Task, pl.LightningDataModule, RunSummary, str | None]:

@@ -88,3 +88,21 @@ def stage_backward_calls(stage: object) -> tuple[Callable[..., Any], Callable[..
     if "full_backward" not in inspect.signature(backward).parameters:
         raise changed("torch", "the signature of PipelineStage.backward_one_chunk", why)
     return backward, private_method(stage, "backward_weight_one_chunk", library="torch", why=why)
+
+
+def finish_restored_epoch(trainer: Any) -> None:
+    """Let a run resumed from a checkpoint saved on an epoch's last batch count its next epoch.
+
+    Lightning 2.6.6's `FitLoop.reset` completes such a restored epoch but leaves the loop "restarted mid-epoch", so
+    the next epoch is never counted as ready or started (nor `on_train_epoch_start` called), and a checkpoint this
+    run saves later resumes into the previous epoch's shuffle: a second resume silently trains on other batches.
+    Called at `on_train_start`; does nothing for fresh runs or real mid-epoch restarts.
+    """
+    why = "resume exactly more than once"
+    loop = trainer.fit_loop
+    for name in ("restarted_mid_epoch", "reset_restart_stage", "epoch_progress"):
+        if not hasattr(loop, name):
+            raise changed("lightning", f"FitLoop.{name}", why)
+    total = loop.epoch_progress.total
+    if loop.restarted_mid_epoch and total.completed == total.ready:
+        loop.reset_restart_stage()

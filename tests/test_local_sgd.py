@@ -11,6 +11,7 @@ One launch (2 processes, the tiny GPT, 20 steps per fit) runs every fit; the tes
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -184,3 +185,18 @@ def test_each_method_describes_itself_for_summary_json() -> None:
     assert local.describe() == {"kind": "local_sgd", "workers": 1, "period": 4, "warmup_steps": 2}
     assert diloco.describe() == {"kind": "diloco", "workers": 1, "period": 10}
     assert {local.describe()["kind"], diloco.describe()["kind"]} <= set(SYNC_METHODS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices: nccl takes one device per rank")
+@pytest.mark.parametrize("name", ["local_sgd", "diloco", "async_sgd"])
+def test_on_two_gpus_with_nccl(tmp_path: Path, name: str) -> None:
+    """The same strategies on nccl (Lightning picks it for CUDA): a short train.py run ends with its summary."""
+    period = [] if name == "async_sgd" else ["strategy.period=2"]
+    result = run_cli(
+        f"strategy={name}", *period, "trainer.accelerator=gpu", "trainer.devices=2", "trainer.max_steps=6",
+        "trainer.limit_val_batches=2", "callbacks=none", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["parallel"]["kind"], summary["world_size"], summary["steps"]) == (name, 2, 6)

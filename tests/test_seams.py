@@ -5,17 +5,22 @@ plugin the strategies use is the user's own, re-classed, with an overflow-agreei
 from __future__ import annotations
 
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import Schedule1F1B
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_parallel import seams
+from lightning_parallel.callbacks import ExactResume
 from lightning_parallel.precision import AgreeingGradScaler
 from lightning_parallel.strategies.mesh_precision import MeshClipping, mesh_precision
 
@@ -99,3 +104,60 @@ def test_mesh_precision_swaps_in_an_agreeing_scaler_with_the_same_state() -> Non
     plugin = mesh_precision(MixedPrecision("16-mixed", "cpu", scaler=scaler), object())  # type: ignore[arg-type]
     assert isinstance(plugin.scaler, AgreeingGradScaler)  # type: ignore[attr-defined]
     assert plugin.scaler.state_dict() == scaler.state_dict()  # type: ignore[attr-defined]
+
+
+# ---- a second resume (Lightning 2.6.6 miscounts the epoch after resuming from an epoch-end checkpoint) -------------
+class _UserModule(pl.LightningModule):
+    """Written the way users write one: its own layers, criterion and DataLoader."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+        self.criterion = nn.MSELoss()
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.criterion(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(1)
+        data = TensorDataset(torch.randn(20, 4, generator=generator), torch.randn(20, 1, generator=generator))
+        # A sampler shuffled by epoch number, as Lightning's DistributedSampler is under every multi-process
+        # strategy (a plain shuffle draws from the global RNG, which no Lightning resume restores).
+        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+        return DataLoader(data, batch_size=5, sampler=sampler)  # 4 batches per epoch
+
+
+def _fit(epochs: int, resume: Path | None, save: Path | None, callbacks: list[pl.Callback]) -> list[float]:
+    pl.seed_everything(0, verbose=False)
+    module = _UserModule()
+    if save is not None:  # an epoch's last batch: Lightning resumes a plain DataLoader exactly only there
+        callbacks = [
+            *callbacks,
+            ModelCheckpoint(dirpath=save, filename="{step}", save_top_k=-1, every_n_train_steps=4),
+        ]
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=save is not None, callbacks=callbacks,
+    )  # fmt: skip
+    trainer.fit(module, ckpt_path=resume)
+    return module.losses
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["with ExactResume", "Lightning alone"])
+def test_a_second_resume_is_exact_with_exact_resume(tmp_path: Path, fixed: bool) -> None:
+    """Three epochs straight equal one epoch, a resume to two, and a resume to three; Lightning alone trains the
+    third epoch on another shuffle (if this half starts passing, Lightning fixed it and the seam can go)."""
+    callbacks: list[pl.Callback] = [ExactResume()] if fixed else []
+    straight = _fit(3, None, None, [])
+    first = _fit(1, None, tmp_path / "a", callbacks)
+    second = _fit(2, tmp_path / "a" / "step=4.ckpt", tmp_path / "b", callbacks)
+    third = _fit(3, tmp_path / "b" / "step=8.ckpt", None, callbacks)
+    assert first + second == pytest.approx(straight[:8], abs=1e-6)  # one resume is exact either way
+    assert (third == pytest.approx(straight[8:], abs=1e-6)) == fixed

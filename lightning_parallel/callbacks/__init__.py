@@ -1,5 +1,6 @@
 """Lightning callbacks usable in any project."""
 
+from lightning_parallel.callbacks.exact_resume import ExactResume
 from lightning_parallel.callbacks.run_summary import RunSummary
 
-__all__ = ["RunSummary"]
+__all__ = ["ExactResume", "RunSummary"]

@@ -59,7 +59,7 @@ from lightning_parallel.checkpoint import (
 from lightning_parallel.dims import ParallelDims
 from lightning_parallel.precision import clip_grad_norm_global
 from lightning_parallel.rendezvous import bound_store, listen_address
-from lightning_parallel.seams import changed
+from lightning_parallel.seams import changed, finish_restored_epoch
 from lightning_parallel.strategies.arguments import check_backend, check_timeout
 from lightning_parallel.strategies.mesh_precision import mesh_precision
 from lightning_parallel.strategies.peers import PeerFailure, check_nodes, stop_peers
@@ -375,6 +375,12 @@ class MeshStrategy(ParallelStrategy):
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        assert self.lightning_module is not None  # training has started
+        finish_restored_epoch(self.lightning_module.trainer)  # a second resume stays exact (seams.py says why)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

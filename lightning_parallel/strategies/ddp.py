@@ -11,6 +11,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from typing_extensions import override
 
+from lightning_parallel.seams import finish_restored_epoch
 from lightning_parallel.strategies.arguments import check_timeout
 from lightning_parallel.strategies.peers import PeerFailure, check_nodes, stop_peers
 
@@ -37,6 +38,12 @@ class DDPStrategy(LightningDDPStrategy):
     def _configure_launcher(self) -> None:
         check_nodes(self.num_nodes, self.cluster_environment)  # in the main process, before any launch
         super()._configure_launcher()
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        assert self.lightning_module is not None  # training has started
+        finish_restored_epoch(self.lightning_module.trainer)  # a second resume stays exact (seams.py says why)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
