@@ -220,7 +220,7 @@ def table(result: dict[str, Any], workload: str) -> list[str]:
         f"{rows[0]['steps']} optimizer steps per worker; {rows[0].get('parameters', 0):,} parameters (P).",
         "",
         "| method | straggler | time to target s | vs ddp | steps to target | final val accuracy | final val loss | "
-        "training s | step ms rank 0 / 1 | bytes / worker / step | formula (n workers, P parameters) | "
+        "training s | step ms per rank | bytes / worker / step | formula (n workers, P parameters) | "
         "async: server updates; staleness mean / max |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
