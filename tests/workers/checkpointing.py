@@ -5,7 +5,8 @@ Lightning's ModelCheckpoint saves `step=<N>.ckpt` every `every` training steps.
 Measured on Lightning 2.6.6 with a single process:
 a checkpoint saved by `every_n_epochs` or by `trainer.save_checkpoint` after `fit` resumes one batch
 into a stale epoch and skips batches, and one saved inside an epoch restarts a plain DataLoader's epoch, while
-`every_n_train_steps` at an epoch's last batch resumes exactly (with `CountResumedEpoch` for a second resume).
+`every_n_train_steps` at an epoch's last batch resumes exactly (a second resume too: the mesh strategies apply
+`seams.finish_restored_epoch`).
 """
 
 from __future__ import annotations
@@ -29,18 +30,6 @@ GLOBAL_BATCH = 16
 SAMPLES = 89  # int(89 * 0.9) = 80 training sequences = 5 batches of 16 per epoch
 # 4 blocks for up to 4 pipeline stages; 4 heads (and widths divisible by 4) for up to 4 tensor ranks.
 GPT_CONFIG = {"vocab_size": 16, "context_length": 8, "depth": 4, "width": 16, "heads": 4}
-
-
-class CountResumedEpoch(pl.Callback):
-    """Works around Lightning 2.6.6 for runs that are themselves resumed from a checkpoint saved at an epoch's last
-    batch: `FitLoop.reset` completes that epoch but leaves the loop "restarted mid-epoch", so the next epoch is never
-    counted as started (nor `on_train_epoch_start` called) and a checkpoint saved later in the run resumes into the
-    previous epoch's shuffle (measured in one plain process: losses off by 4e-2 after the second resume)."""
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        loop = trainer.fit_loop
-        if loop.restarted_mid_epoch and loop.epoch_progress.total.completed == loop.epoch_progress.total.ready:
-            loop.reset_restart_stage()  # the restarted epoch is over: let the next one be counted
 
 
 def sizes(layout: str) -> tuple[int, int, int]:
@@ -76,7 +65,7 @@ def build(
         vocab_size=16, seq_len=8, num_samples=SAMPLES, batch_size=GLOBAL_BATCH // replicas, seed=0
     )
     recorder = RunSummary()
-    callbacks: list[pl.Callback] = [recorder, CountResumedEpoch()]
+    callbacks: list[pl.Callback] = [recorder]
     if save_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=save_dir, filename="{step}", save_top_k=-1, every_n_train_steps=every))
     trainer = pl.Trainer(
