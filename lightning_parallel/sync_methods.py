@@ -19,52 +19,64 @@ class SyncMethod:
     Args:
         name: The `conf/strategy` option.
         exchanged: What each worker sends and receives, in words.
+        ring: The exchange is an all-reduce among the workers (else a push to a server and a pull back).
+        buffers: Floating-point buffers travel too (DDP broadcasts them, DiLoCo averages them; both counted as
+            part of the all-reduce).
         periodic: Exchanges every `period` optimizer steps instead of every step.
+        first_after_one: A periodic method's first exchange follows step 1 (torch's PeriodicModelAverager), not
+            step `period` (DiLoCo).
         waits_for_slowest: Each exchange is a meeting of all workers, so one slow worker paces all.
     """
 
     name: str
     exchanged: str
+    ring: bool
+    buffers: bool
     periodic: bool
+    first_after_one: bool
     waits_for_slowest: bool
+
+    def exchanges_per_step(self, period: int = 1, steps: int | None = None) -> float:
+        """Exchanges per optimizer step: counted exactly over a run of ``steps``, or the long-run average."""
+        if not self.periodic:
+            return 1.0
+        if steps is None:
+            return 1 / period
+        return (1 + (steps - 1) // period if self.first_after_one else steps // period) / steps
 
     def bytes_per_step(
         self, parameters: int, workers: int, *, period: int = 1, buffers: int = 0, steps: int | None = None
     ) -> float:
         """Bytes one worker sends plus receives per optimizer step (fp32), from what the method exchanges.
 
-        A ring all-reduce of B bytes sends and receives 2 (n-1)/n x B each. ``steps`` counts the exchanges of a run
-        that long exactly (local SGD averages after steps 1, 1 + period, ...; DiLoCo after period, 2 x period, ...);
-        None gives the long-run average.
+        A ring all-reduce of B bytes sends and receives 2 (n-1)/n x B each; a push and a pull move B each.
         """
-        ring = 2 * 2 * (workers - 1) / workers
-        p, b = FP32 * parameters, FP32 * buffers
-        if self.name == "ddp":  # gradients all-reduced every step, floating-point buffers broadcast
-            return ring * p + 2 * b
-        if self.name == "local_sgd":  # torch's PeriodicModelAverager: parameters only
-            syncs = 1 + (steps - 1) // period if steps else None
-            return ring * p * (syncs / steps if syncs and steps else 1 / period)
-        if self.name == "diloco":  # the pseudo-gradient and floating-point buffers
-            return ring * (p + b) * (steps // period / steps if steps else 1 / period)
-        return 2 * p  # async: a gradient pushed, the weights pulled
+        values = parameters + (buffers if self.buffers else 0)
+        if self.ring:
+            return 2 * 2 * (workers - 1) / workers * FP32 * values * self.exchanges_per_step(period, steps)
+        return 2 * FP32 * values
 
     def formula(self, period: int = 1) -> str:
         """`bytes_per_step` in words, for n workers and P parameters."""
-        every = f"/ {period} " if self.periodic and period > 1 else ""
-        if self.name == "async_sgd":
+        if not self.ring:
             return f"4P push + 4P pull every step ({self.exchanged})"
+        every = f"/ {period} " if self.periodic and period > 1 else ""
         return f"4 (n-1)/n x 4P {every}({self.exchanged})"
 
 
 SYNC_METHODS: dict[str, SyncMethod] = {
     method.name: method
     for method in (
-        SyncMethod("ddp", "gradient all-reduce every step", periodic=False, waits_for_slowest=True),
-        SyncMethod("local_sgd", "parameter average every period", periodic=True, waits_for_slowest=True),
-        SyncMethod("diloco", "pseudo-gradient average every period, outer step", periodic=True, waits_for_slowest=True),
-        SyncMethod("async_sgd", "gradient to a server, weights back", periodic=False, waits_for_slowest=False),
+        SyncMethod("ddp", "gradient all-reduce every step", ring=True, buffers=True, periodic=False,
+                   first_after_one=False, waits_for_slowest=True),
+        SyncMethod("local_sgd", "parameter average every period", ring=True, buffers=False, periodic=True,
+                   first_after_one=True, waits_for_slowest=True),
+        SyncMethod("diloco", "pseudo-gradient average every period, outer step", ring=True, buffers=True,
+                   periodic=True, first_after_one=False, waits_for_slowest=True),
+        SyncMethod("async_sgd", "gradient to a server, weights back", ring=False, buffers=False, periodic=False,
+                   first_after_one=False, waits_for_slowest=False),
     )
-}
+}  # fmt: skip
 
 MEASURED = "benchmarks/results/sync_vs_async_{2,4}p.md"  # where the steps-to-target side of the trade-off is measured
 

@@ -200,3 +200,14 @@ def test_on_two_gpus_with_nccl(tmp_path: Path, name: str) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert (summary["parallel"]["kind"], summary["world_size"], summary["steps"]) == (name, 2, 6)
+
+
+def test_bytes_per_step_count_the_syncs_these_tests_observe() -> None:
+    """`sync_methods` counts exchanges on the steps `synced_steps` checks above: local SGD after steps 1, 5, 9, ...
+    (torch's averager, no warm-up), DiLoCo after 4, 8, ...; DDP every step; async pushes and pulls every step."""
+    local, diloco = SYNC_METHODS["local_sgd"], SYNC_METHODS["diloco"]
+    assert local.exchanges_per_step(4, steps=10) == 3 / 10 and diloco.exchanges_per_step(4, steps=10) == 2 / 10
+    assert local.exchanges_per_step(4) == diloco.exchanges_per_step(4) == 1 / 4
+    # 1000 parameters (4000 bytes) between 2 workers: a ring all-reduce moves 2 x 2 x 1/2 x 4000 bytes per worker
+    assert SYNC_METHODS["ddp"].bytes_per_step(1000, 2) == 8000 == SYNC_METHODS["async_sgd"].bytes_per_step(1000, 2)
+    assert local.bytes_per_step(1000, 2, period=4, steps=10) == 8000 * 3 / 10
