@@ -67,8 +67,20 @@ def test_user_modules_match_one_device_or_stop_with_one_line(tmp_path: Path) -> 
         # Refused: the same line on every rank, before the optimizer step
         run("pipeline", "sequential_mlp", step="l2"),
         run("pipeline", "sequential_mlp", step="two_forwards"),
+        # Replicas that sync every step equal Lightning's DDP on the same module and plain DataLoader
+        run("ddp", "tutorial_cnn", batch_size=8),
+        run("local_sgd", "tutorial_cnn", batch_size=8, period=1),
+        run("diloco", "tutorial_cnn", batch_size=8, period=1, outer_sgd=[1.0, 0.0]),
     ]
     ranks = run_workers("drop_in", 2, configs, tmp_path)
+    synced = [list(results) for results in zip(*ranks, strict=True)][-3:]
+    configs, ranks = configs[:-3], [rank[:-3] for rank in ranks]
+    for results in synced[1:]:
+        for rank, (ddp, other) in enumerate(zip(synced[0], results, strict=True)):
+            assert "error" not in other and len(other["losses"]) == STEPS, other
+            assert max(abs(a - b) for a, b in zip(ddp["losses"], other["losses"], strict=True)) < 1e-5, rank
+            for name, value in ddp["state"].items():
+                torch.testing.assert_close(other["state"][name], value, rtol=0, atol=1e-5, msg=name)
     runs = list(zip(*ranks, strict=True))  # per config: one result per rank
     for config, results in zip(configs[:-2], runs, strict=False):
         ref = reference(config["net"], config["step"], config.get("batch_size", 16), config.get("trainer"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -22,7 +23,11 @@ for config in configs:
     module = build(config["net"], config["step"])
     strategy = config["strategy"]
     if config.get("kwargs"):
-        strategy = StrategyRegistry[strategy]["strategy"](**config["kwargs"])
+        kwargs = dict(config["kwargs"])
+        if "outer_sgd" in kwargs:  # DiLoCo's outer optimizer, [lr, momentum] in the JSON payload
+            lr, momentum = kwargs.pop("outer_sgd")
+            kwargs["outer_optimizer"] = partial(torch.optim.SGD, lr=lr, momentum=momentum)
+        strategy = StrategyRegistry[strategy]["strategy"](**kwargs)
     try:
         run = {"devices": config["devices"], "steps": config["steps"], "batch_size": config.get("batch_size", 16)}
         results.append(fit(module, strategy=strategy, shuffle=False, **run, **config.get("trainer", {})))
