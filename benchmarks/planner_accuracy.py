@@ -1,13 +1,14 @@
 """Planner prediction vs measurement: the steady step time of train.py runs on this machine against the layout
-planner's estimate, for 12 layouts (single, DDP, pipelines with 3 schedules, tensor, data x pipeline, data x tensor)
+planner's estimate, for 15 layouts (single, DDP, pipelines with 3 schedules, tensor, data x pipeline, data x tensor, 3D)
 of a tiny GPT and a CIFAR-sized CNN. Writes results/planner_accuracy.{json,md}.
 
 Each of --repeats rounds measures everything once, so calibration and comparison see the same (shared, noisy)
 machine: gloo latency/bandwidth (2-process micro-benchmark), block forward+backward times (in this process, one
-thread: a device here is one single-threaded process), the AdamW step, eight calibration runs of train.py that are
-not compared, then every layout. Medians over the rounds are used; the overheads are solved from the calibration
-runs' residuals. Usage: .venv/bin/python benchmarks/planner_accuracy.py [--steps 20 --repeats 3]: about 11 min on
-2 quiet cores, longer when other processes disturb runs (each such run is repeated once).
+thread: a device here is one single-threaded process), the AdamW step, ten calibration runs of train.py that are
+not compared, then every layout. Medians over the rounds are used; the overheads (and the bandwidth collectives
+reach inside training) are solved from the calibration runs' residuals. Usage: .venv/bin/python
+benchmarks/planner_accuracy.py [--steps 20 --repeats 3]: about 16 min on 2 quiet cores, longer when other processes
+disturb runs (each such run is repeated once).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
@@ -92,14 +94,22 @@ LAYOUTS: list[tuple[str, Layout]] = [
     ("cnn", Layout(dp=1, pp=2, tp=2, schedule="1f1b", microbatches=4)),
     ("gpt", Layout(dp=2, pp=2, tp=2, schedule="1f1b", microbatches=2)),
 ]
-# Calibration runs, none of them in LAYOUTS: (model, layout, batch), grouped by the constant they pin down. Their
-# micro-batches lie within the block timings' fitted sizes.
-CALIBRATION: dict[str, list[tuple[str, Layout, int]]] = {
-    "step_overhead": [("gpt", Layout(dp=1), 8), ("cnn", Layout(dp=1), 16)],
-    "sync_overhead": [("gpt", pipe(1, "gpipe", 2), 16), ("cnn", pipe(1, "gpipe", 2), 32)],
-    "dp_overhead": [("gpt", Layout(dp=2), 8), ("cnn", Layout(dp=2), 16)],
-    "collective_overhead": [("gpt", Layout(dp=1, tp=2), 8), ("cnn", Layout(dp=1, tp=2), 16)],
+# Calibration runs, none of them in LAYOUTS: (model, layout, batch), grouped by the constants they pin down together
+# (least squares on relative residuals). Their micro-batches lie within the block timings' fitted sizes. The two
+# models differ 7x in parameter tensors (gpt 69, cnn 10), which separates the per-step from the per-tensor cost.
+TP_BATCHES = (("gpt", 8), ("gpt", 16), ("cnn", 16), ("cnn", 32))
+SECONDS_PER_BYTE = "seconds_per_byte"  # 1 / the bandwidth collectives reach inside training (not gloo's alone)
+CALIBRATION: dict[tuple[str, ...], list[tuple[str, Layout, int]]] = {
+    ("step_overhead", "step_tensor_overhead"): [("gpt", Layout(dp=1), 8), ("cnn", Layout(dp=1), 16)],
+    ("sync_overhead", "sync_tensor_overhead"): [("gpt", pipe(1, "gpipe", 2), 16), ("cnn", pipe(1, "gpipe", 2), 32)],
+    ("dp_overhead",): [("gpt", Layout(dp=2), 8), ("cnn", Layout(dp=2), 16)],
+    ("collective_overhead", SECONDS_PER_BYTE): [(key, Layout(dp=1, tp=2), b) for key, b in TP_BATCHES],
 }
+UNIT = {SECONDS_PER_BYTE: 1e-9}  # the size of one unknown in the solve; others: 1 ms
+
+
+def group_name(constants: tuple[str, ...]) -> str:
+    return " + ".join(constants)
 
 
 # ---- steady-state step times inside train.py ------------------------------------------------------------------------
@@ -276,20 +286,52 @@ def predict(workload: Workload, base: Hardware, layout: Layout, batch: int) -> A
     return CostModel(workload, scaled, precision="32-true").estimate(layout, batch=batch)
 
 
+def with_constants(base: Hardware, values: dict[str, float]) -> Hardware:
+    """``base`` with some constants set; SECONDS_PER_BYTE sets both network bandwidths (0: unlimited)."""
+    values = dict(values)
+    if SECONDS_PER_BYTE in values:
+        seconds = values.pop(SECONDS_PER_BYTE)
+        bandwidth = 1.0 / seconds if seconds > 0 else 1e30
+        network = replace(base.network, intra_bandwidth=bandwidth, inter_bandwidth=bandwidth)
+        values["network"] = network  # type: ignore[assignment]
+    return replace(base, **values)
+
+
+def solve_group(
+    workloads: dict[str, Workload], base: Hardware, constants: tuple[str, ...], runs: list, steady: list[float]
+) -> dict[str, float]:
+    """Least squares on (measured - predicted without them) / measured; a negative one is fixed at 0, rest re-solved."""
+    free = list(constants)
+    while True:
+        zero = with_constants(base, dict.fromkeys(constants, 0.0))
+        rows, residuals = [], []
+        for (key, layout, batch), measured in zip(runs, steady, strict=True):
+            without = predict(workloads[key], zero, layout, batch).step_time
+            units = [predict(workloads[key], with_constants(zero, {c: UNIT.get(c, 1e-3)}), layout, batch).step_time
+                     - without for c in free]  # fmt: skip
+            rows.append([u / measured for u in units])
+            residuals.append((measured - without) / measured)
+        solution = numpy.linalg.lstsq(numpy.array(rows), numpy.array(residuals), rcond=None)[0] if free else []
+        values = {c: float(x) * UNIT.get(c, 1e-3) for c, x in zip(free, solution, strict=True)}
+        negative = [c for c, v in values.items() if v < 0]
+        if not negative:
+            return {**dict.fromkeys(constants, 0.0), **values}
+        free = [c for c in free if c not in negative]
+
+
 def solve_overheads(
     workloads: dict[str, Workload], base: Hardware, steady: dict[str, list[float]]
 ) -> tuple[Hardware, list[dict[str, Any]]]:
-    """Each constant in turn: the mean over its runs of (measured - predicted without it) / (its time per unit)."""
-    record = []
-    for constant, runs in CALIBRATION.items():
-        values = []
-        for (key, layout, batch), measured in zip(runs, steady[constant], strict=True):
-            without = predict(workloads[key], replace(base, **{constant: 0.0}), layout, batch).step_time
-            unit = predict(workloads[key], replace(base, **{constant: 1e-3}), layout, batch).step_time
-            values.append((measured - without) / (unit - without) * 1e-3)
-            record.append({"constant": constant, "model": key, "layout": describe_layout(layout), "batch": batch,
-                           "steady_s": measured, "solved_s": values[-1]})  # fmt: skip
-        base = replace(base, **{constant: max(0.0, statistics.fmean(values))})
+    """Each group of constants in turn, twice over, so the groups solved first see the bandwidth solved last."""
+    for _ in range(2):
+        record = []
+        for constants, runs in CALIBRATION.items():
+            values = solve_group(workloads, base, constants, runs, steady[group_name(constants)])
+            base = with_constants(base, values)
+            for (key, layout, batch), measured in zip(runs, steady[group_name(constants)], strict=True):
+                record.append({"constants": values, "model": key, "layout": describe_layout(layout), "batch": batch,
+                               "steady_s": measured,
+                               "predicted_s": predict(workloads[key], base, layout, batch).step_time})  # fmt: skip
     return base, record
 
 
@@ -347,21 +389,26 @@ def write_report(result: dict[str, Any]) -> None:
         "`parameter_bytes_per_rank`.",
         "",
         "Calibrated constants (copied into `lightning_parallel/planner/presets/hardware/cpu.yaml`): step overhead "
-        f"{hw['step_overhead'] * 1e3:.2f} ms, multi-process sync overhead {hw['sync_overhead'] * 1e3:.2f} ms and DDP "
-        f"wrapper overhead {hw['dp_overhead'] * 1e3:.2f} ms per step, DTensor collective overhead "
-        f"{hw['collective_overhead'] * 1e3:.2f} ms per tensor-parallel / FSDP collective, Adam "
-        f"{hw['optimizer_time'] * 1e9:.2f} ns/parameter, gloo latency {net['intra_latency'] * 1e6:.0f} us and "
-        f"bandwidth {net['intra_bandwidth'] / 1e9:.2f} GB/s; compute and host overheads x devices / {CORES} when "
-        "processes outnumber cores. The pipeline action overhead is left at 0: solved from pipeline runs it came out "
-        "at or below 0 on this machine (the per-micro-batch cost is inside the measured block times).",
+        f"{hw['step_overhead'] * 1e3:.2f} ms + {hw['step_tensor_overhead'] * 1e6:.0f} us per parameter tensor, "
+        f"multi-process sync overhead {hw['sync_overhead'] * 1e3:.2f} ms + {hw['sync_tensor_overhead'] * 1e6:.0f} us "
+        f"per parameter tensor and DDP wrapper overhead {hw['dp_overhead'] * 1e3:.2f} ms per step, DTensor collective "
+        f"overhead {hw['collective_overhead'] * 1e3:.2f} ms per tensor-parallel / FSDP collective, Adam "
+        f"{hw['optimizer_time'] * 1e9:.2f} ns/parameter, gloo latency {net['intra_latency'] * 1e6:.0f} us, and "
+        f"{net['intra_bandwidth'] / 1e9:.2f} GB/s reached by collectives inside training (gloo alone, two idle "
+        f"processes: {result['loopback']['bandwidth'] / 1e9:.2f} GB/s); compute and host overheads x devices / "
+        f"{CORES} when processes outnumber cores. The pipeline action overhead is left at 0: solved from pipeline "
+        "runs it came out at or below 0 on this machine (the per-micro-batch cost is inside the measured block times).",
         "",
         "How (every round, medians over rounds): block forward+backward times are fitted as fixed + per-sample from "
-        "timings at two batch sizes (gpt 8 and 32, cnn 16 and 64) in this process, one thread; latency and bandwidth "
-        "come from a Theil-Sen fit of 2-process gloo all-reduce and send/recv times over 1 KiB-2 MiB; Adam from timing "
-        "AdamW on the gpt. Then, in turn, each overhead is the mean over two train.py runs that are not in the table "
-        "of (measured - predicted without it) / (its time per unit): the step overhead from single-process runs at "
-        "batch 8 (gpt) / 16 (cnn); the sync overhead from GPipe runs with 2 micro-batches at batch 16 / 32; the DDP "
-        "wrapper overhead from DDP runs at batch 8 / 16; the collective overhead from tp=2 runs at batch 8 / 16.",
+        "timings at two batch sizes (gpt 8 and 32, cnn 16 and 64) in this process, one thread; latency comes from a "
+        "Theil-Sen fit of 2-process gloo all-reduce and send/recv times over 1 KiB-2 MiB; Adam from timing AdamW on "
+        "the gpt. Then each group of constants is solved by least squares on the relative residuals "
+        "((measured - predicted without them) / measured) of train.py runs that are not in the table, group after "
+        "group, twice over: step overhead and its per-tensor part from single-process runs at batch 8 (gpt) / 16 "
+        "(cnn), the two models differing 7x in parameter tensors (69 / 10); sync overhead and its per-tensor part "
+        "from GPipe runs with 2 micro-batches at batch 16 / 32; the DDP wrapper overhead from DDP runs at batch 8 / "
+        "16; the collective overhead and the bandwidth collectives reach in training from tp=2 runs at two batch "
+        "sizes each (gpt 8 and 16, cnn 16 and 32). A constant solved below 0 is fixed at 0.",
     ]
     (RESULTS / "planner_accuracy.md").write_text("\n".join(lines) + "\n")
 
@@ -373,8 +420,8 @@ def measure_round(built: dict[str, tuple], steps: int) -> dict[str, Any]:
     found["blocks"] = {key: time_blocks(key, model, sample) for key, (_, model, sample, _) in built.items()}
     found["adam"] = adam_seconds_per_parameter(built["gpt"][1])
     found["calibration"] = {
-        constant: [run_train(key, layout, steps, batch)["steady_s"] for key, layout, batch in runs]
-        for constant, runs in CALIBRATION.items()
+        group_name(constants): [run_train(key, layout, steps, batch)["steady_s"] for key, layout, batch in runs]
+        for constants, runs in CALIBRATION.items()
     }
     found["layouts"] = [run_train(key, layout, steps) for key, layout in LAYOUTS]
     print(f"round in {time.perf_counter() - started:.0f} s, load {os.getloadavg()[0]:.2f}", flush=True)
@@ -438,6 +485,7 @@ def main() -> None:
         "steps": args.steps, "repeats": args.repeats, "target": TARGET, "wall_s": time.perf_counter() - started,
         "others_median": statistics.median(x for r in rows for x in r["others_cores"]),
         "repeated_runs": sum(a - 1 for r in rows for a in r["attempts"]),
+        "loopback": figures["network"],
         "calibration": {"hardware": asdict(base), "runs": calibration_runs,
                         "rounds": [{k: r[k] for k in ("network", "blocks", "adam")} for r in rounds],
                         "block_seconds": figures["blocks"]},
