@@ -26,8 +26,8 @@ THREE_D = ["trainer.devices=8", "strategy.pipeline_parallel_size=2", "strategy.t
 
 
 def fail(tmp_path: Path, mode: str, *extra: str, rank: int = 1) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run with one rank failing at step 2; the result, and the seconds from that failure to the CLI's exit."""
     inject = f"+callbacks.fail={{_target_:failing.FailAt,rank:{rank},step:2,mode:{mode}}}"
-    start = time.monotonic()
     result = run_cli(
         *RUN,
         inject,
@@ -37,7 +37,7 @@ def fail(tmp_path: Path, mode: str, *extra: str, rank: int = 1) -> tuple[subproc
         timeout=120,
         env={"PYTHONPATH": str(WORKERS)},
     )
-    return result, time.monotonic() - start
+    return result, time.time() - float((tmp_path / "failed_at").read_text())  # start-up time left out
 
 
 def leftovers(tmp_path: Path) -> str:
@@ -54,7 +54,7 @@ def test_one_of_eight_ranks_that_raises_stops_the_run(tmp_path: Path) -> None:
     assert errors[0].startswith("error: rank 5 failed: RuntimeError: injected failure on rank 5"), errors
     assert "Traceback" not in result.stderr  # the traces are in the run directory, one file per rank
     assert "injected failure" in (tmp_path / "run" / "rank5.log").read_text()
-    assert seconds < 60
+    assert seconds < 20, f"took {seconds:.0f} s after the failure"
     assert not leftovers(tmp_path)
     assert not (tmp_path / "run" / "summary.json").exists()
 
@@ -65,7 +65,7 @@ def test_a_rank_that_hangs_times_out(tmp_path: Path) -> None:
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors[0].startswith("error: a collective timed out on rank 0: another rank is alive but stuck"), errors
-    assert seconds < 60, f"took {seconds:.0f} s"
+    assert seconds < 40, f"took {seconds:.0f} s after the hang began (timeout 5 s)"
     assert not leftovers(tmp_path)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,6 +18,7 @@ class FailAt(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if trainer.global_rank != self.rank or trainer.global_step != self.step:
             return
+        Path("failed_at").write_text(str(time.time()))  # in the working directory: how long the rest took
         if self.mode == "raise":
             raise RuntimeError(f"injected failure on rank {self.rank}")
         if self.mode == "kill":  # dies without a word, as under the OOM killer
