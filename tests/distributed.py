@@ -1,15 +1,18 @@
 """Start N worker processes the way torchrun would (env vars), so Lightning runs many fits in one launch.
 
-Each worker gets the same JSON payload and writes `rank<r>.pt` into the output directory.
+Each worker gets the same JSON payload and writes `rank<r>.pt` into the output directory. The workers are forked
+from one server process that imported torch, Lightning and the library once per test session: a fresh interpreter
+spends about 6 s of CPU importing them, which made process start-up most of every multi-process test here.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import runpy
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,6 +21,25 @@ from typing import Any
 import torch
 
 WORKERS = Path(__file__).parent / "workers"
+PRELOADED = ["torch", "lightning.pytorch", "torchmetrics", "lightning_parallel"]
+_FORKS = multiprocessing.get_context("forkserver")
+_FORKS.set_forkserver_preload(PRELOADED)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # no BLAS threads in the server: its forks start clean
+
+
+def _become(script: str, out: str, env: dict[str, str], log: str) -> None:
+    """In a fork of the server: run `python <script> <out>` with `env`, its output going to `log`."""
+    os.environ.clear()
+    os.environ.update(env)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # what PYTHONUNBUFFERED would give
+    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    sys.argv = [script, out]
+    sys.path.insert(0, str(Path(script).parent))  # as `python script.py` does: the workers import their siblings
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    runpy.run_path(script, run_name="__main__")
 
 
 def free_port() -> int:
@@ -44,26 +66,24 @@ def run_workers(worker: str, nprocs: int, payload: Any, out: Path, timeout: floa
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
         }
-        log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process below
-        cmd = [sys.executable, str(WORKERS / f"{worker}.py"), str(out)]
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        args = (str(WORKERS / f"{worker}.py"), str(out), env, str(out / f"rank{rank}.log"))
+        procs.append(_FORKS.Process(target=_become, args=args, daemon=False))
+        procs[-1].start()
     try:
         # Like torchrun's agent: once one rank fails, the others (waiting for it in a collective) are stopped.
         deadline = time.monotonic() + timeout
-        while any(proc.poll() is None for proc, _ in procs):
-            if any(proc.poll() not in (None, 0) for proc, _ in procs) or time.monotonic() > deadline:
+        while any(proc.exitcode is None for proc in procs):
+            if any(proc.exitcode not in (None, 0) for proc in procs) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        for _, log in procs:
-            log.close()
     finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
+        for proc in procs:
+            if proc.exitcode is None:
                 proc.kill()
-                proc.wait()
-    failed = [r for r, (proc, _) in enumerate(procs) if proc.returncode != 0]
+            proc.join()
+    failed = [r for r, proc in enumerate(procs) if proc.exitcode != 0]
     if failed:
-        first = next((r for r in failed if procs[r][0].returncode != -signal.SIGKILL), failed[0])  # not one we killed
+        first = next((r for r in failed if procs[r].exitcode != -signal.SIGKILL), failed[0])  # not one we killed
         tail = (out / f"rank{first}.log").read_text()[-4000:]
         raise AssertionError(f"ranks {failed} failed; rank {first} log tail:\n{tail}")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
