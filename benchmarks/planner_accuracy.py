@@ -95,13 +95,12 @@ LAYOUTS: list[tuple[str, Layout]] = [
     ("gpt", Layout(dp=2, pp=2, tp=2, schedule="1f1b", microbatches=2)),
 ]
 # Calibration runs, none of them in LAYOUTS: (model, layout, batch), grouped by the constants they pin down together
-# (least squares on relative residuals). Their micro-batches lie within the block timings' fitted sizes. The two
-# models differ 7x in parameter tensors (gpt 69, cnn 10), which separates the per-step from the per-tensor cost.
+# (least squares on relative residuals). Their micro-batches lie within the block timings' fitted sizes.
 TP_BATCHES = (("gpt", 8), ("gpt", 16), ("cnn", 16), ("cnn", 32))
 SECONDS_PER_BYTE = "seconds_per_byte"  # 1 / the bandwidth collectives reach inside training (not gloo's alone)
 CALIBRATION: dict[tuple[str, ...], list[tuple[str, Layout, int]]] = {
-    ("step_overhead", "step_tensor_overhead"): [("gpt", Layout(dp=1), 8), ("cnn", Layout(dp=1), 16)],
-    ("sync_overhead", "sync_tensor_overhead"): [("gpt", pipe(1, "gpipe", 2), 16), ("cnn", pipe(1, "gpipe", 2), 32)],
+    ("step_overhead",): [("gpt", Layout(dp=1), 8), ("cnn", Layout(dp=1), 16)],
+    ("sync_overhead",): [("gpt", pipe(1, "gpipe", 2), 16), ("cnn", pipe(1, "gpipe", 2), 32)],
     ("dp_overhead",): [("gpt", Layout(dp=2), 8), ("cnn", Layout(dp=2), 16)],
     ("collective_overhead", SECONDS_PER_BYTE): [(key, Layout(dp=1, tp=2), b) for key, b in TP_BATCHES],
 }
@@ -389,9 +388,8 @@ def write_report(result: dict[str, Any]) -> None:
         "`parameter_bytes_per_rank`.",
         "",
         "Calibrated constants (copied into `lightning_parallel/planner/presets/hardware/cpu.yaml`): step overhead "
-        f"{hw['step_overhead'] * 1e3:.2f} ms + {hw['step_tensor_overhead'] * 1e6:.0f} us per parameter tensor, "
-        f"multi-process sync overhead {hw['sync_overhead'] * 1e3:.2f} ms + {hw['sync_tensor_overhead'] * 1e6:.0f} us "
-        f"per parameter tensor and DDP wrapper overhead {hw['dp_overhead'] * 1e3:.2f} ms per step, DTensor collective "
+        f"{hw['step_overhead'] * 1e3:.2f} ms, multi-process sync overhead {hw['sync_overhead'] * 1e3:.2f} ms and DDP "
+        f"wrapper overhead {hw['dp_overhead'] * 1e3:.2f} ms per step, DTensor collective "
         f"overhead {hw['collective_overhead'] * 1e3:.2f} ms per tensor-parallel / FSDP collective, Adam "
         f"{hw['optimizer_time'] * 1e9:.2f} ns/parameter, gloo latency {net['intra_latency'] * 1e6:.0f} us, and "
         f"{net['intra_bandwidth'] / 1e9:.2f} GB/s reached by collectives inside training (gloo alone, two idle "
@@ -404,11 +402,10 @@ def write_report(result: dict[str, Any]) -> None:
         "Theil-Sen fit of 2-process gloo all-reduce and send/recv times over 1 KiB-2 MiB; Adam from timing AdamW on "
         "the gpt. Then each group of constants is solved by least squares on the relative residuals "
         "((measured - predicted without them) / measured) of train.py runs that are not in the table, group after "
-        "group, twice over: step overhead and its per-tensor part from single-process runs at batch 8 (gpt) / 16 "
-        "(cnn), the two models differing 7x in parameter tensors (69 / 10); sync overhead and its per-tensor part "
-        "from GPipe runs with 2 micro-batches at batch 16 / 32; the DDP wrapper overhead from DDP runs at batch 8 / "
-        "16; the collective overhead and the bandwidth collectives reach in training from tp=2 runs at two batch "
-        "sizes each (gpt 8 and 16, cnn 16 and 32). A constant solved below 0 is fixed at 0.",
+        "group, twice over: the step overhead from single-process runs at batch 8 (gpt) / 16 (cnn); the sync "
+        "overhead from GPipe runs with 2 micro-batches at batch 16 / 32; the DDP wrapper overhead from DDP runs at "
+        "batch 8 / 16; the collective overhead and the bandwidth collectives reach in training from tp=2 runs at "
+        "two batch sizes each (gpt 8 and 16, cnn 16 and 32). A constant solved below 0 is fixed at 0.",
     ]
     (RESULTS / "planner_accuracy.md").write_text("\n".join(lines) + "\n")
 

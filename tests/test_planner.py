@@ -125,8 +125,8 @@ def test_gpt_closed_form_matches_meta_analysis() -> None:
     formula = gpt_workload(depth=4, width=64, heads=4, vocab_size=64, seq_len=32)
     assert formula.tp_modulus == measured.tp_modulus
     for got, want in zip(measured.blocks, formula.blocks, strict=True):
-        assert (got.name, got.params, got.tp_params, got.flops, got.tp_flops, got.output, got.tensors) == (
-            want.name, want.params, want.tp_params, want.flops, want.tp_flops, want.output, want.tensors
+        assert (got.name, got.params, got.tp_params, got.flops, got.tp_flops, got.output) == (
+            want.name, want.params, want.tp_params, want.flops, want.tp_flops, want.output
         )  # fmt: skip
         assert [kind for kind, _ in got.collectives] == [kind for kind, _ in want.collectives]
         assert got.activations == pytest.approx(want.activations, rel=0.35, abs=64)
@@ -196,19 +196,6 @@ def test_measured_block_costs_drive_the_estimate() -> None:
     workload = workload_from_module(model, torch.zeros(2, 1, 8, 8)).with_seconds([(1e-3, 1e-4)] * 5)
     estimate = CostModel(workload, Hardware(memory="1GB", flops=1e12)).estimate(Layout(dp=1), batch=10)
     assert estimate.time["compute"] == pytest.approx(5 * (1e-3 + 10 * 1e-4))
-
-
-def test_per_tensor_overheads_count_the_fullest_pipeline_ranks_tensors() -> None:
-    """The host loops over parameter tensors each step (optimizer, zero_grad, hooks): the per-tensor overheads
-    count the tensors of the pipeline rank holding the most, and the sync part only with several devices."""
-    workload = gpt_workload(depth=4, width=64, heads=4, vocab_size=64, seq_len=32)  # 2 + 4 x 16 + 3 = 69 tensors
-    hardware = Hardware(memory="1GB", flops=1e12, step_tensor_overhead=1e-3, sync_tensor_overhead=1e-2)
-    model = CostModel(workload, hardware)
-    assert model.estimate(Layout(dp=1), batch=8).time["overhead"] == pytest.approx(69e-3)
-    assert model.estimate(Layout(dp=2), batch=8).time["overhead"] == pytest.approx(69 * 11e-3)
-    split = [sum(workload.blocks[i].tensors for i in stage) for stage in model._split(2)]
-    pipeline = model.estimate(Layout(dp=1, pp=2, schedule="1f1b", microbatches=2), batch=8)
-    assert pipeline.time["overhead"] == pytest.approx(max(split) * 11e-3) and max(split) < 69
 
 
 BAD = {

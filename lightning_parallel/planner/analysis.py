@@ -107,7 +107,6 @@ def _analyse_block(
         "tp_activations": tp_activations / batch,
         "output": out.numel() / batch,
         "collectives": tuple((kind, elements / batch) for kind, elements in tracker.collectives),
-        "tensors": len(params),
     }
     return out.detach(), figures
 

@@ -114,7 +114,6 @@ class _Rank:
     comm_per_sample: float
     activations: float  # bytes saved per sample over all its stages
     blocks: int
-    tensors: int  # parameter tensors
 
 
 class CostModel:
@@ -164,10 +163,9 @@ class CostModel:
     def _rank(self, split: tuple[tuple[int, ...], ...], stages: list[int], tp: int) -> _Rank:
         hw, net = self.hardware, self.hardware.network
         fixed = per_sample = comm_fixed = comm_per_sample = activations = params = largest = 0.0
-        count = tensors = 0
+        count = 0
         for index in (i for s in stages for i in split[s]):
             block = self.workload.blocks[index]
-            tensors += block.tensors
             local = block.params - block.tp_params + block.tp_params / tp
             params += local
             largest = max(largest, local)
@@ -184,7 +182,7 @@ class CostModel:
                 fixed_s, per_byte = net.collective_terms(kind, tp, 1)
                 comm_fixed += fixed_s + hw.collective_overhead * hw.compute_scale
                 comm_per_sample += per_byte * elements * self.act_bytes
-        return _Rank(params, largest, fixed, per_sample, comm_fixed, comm_per_sample, activations, count, tensors)
+        return _Rank(params, largest, fixed, per_sample, comm_fixed, comm_per_sample, activations, count)
 
     # ---- one layout ------------------------------------------------------------------------------
     def estimate(self, layout: Layout, *, batch: int) -> Estimate:
@@ -268,15 +266,14 @@ class CostModel:
             "bubble": pipeline - busy,
             "dp_comm": dp_comm,
             "optimizer": optimizer,
-            "overhead": self._overhead(layout, max(r.tensors for r in ranks)),
+            "overhead": self._overhead(layout),
         }
 
-    def _overhead(self, layout: Layout, tensors: int) -> float:
+    def _overhead(self, layout: Layout) -> float:
         hw = self.hardware
-        step = hw.step_overhead + hw.step_tensor_overhead * tensors
-        sync = hw.sync_overhead + hw.sync_tensor_overhead * tensors if layout.devices > 1 else 0.0
+        sync = hw.sync_overhead if layout.devices > 1 else 0.0
         wrapper = hw.dp_overhead if layout.dp > 1 and layout.pp == layout.tp == 1 else 0.0
-        return (step + sync + wrapper) * hw.compute_scale
+        return (hw.step_overhead + sync + wrapper) * hw.compute_scale
 
     def _messages(self, stage: int, num_stages: int, layout: Layout, micro: int, crosses: bool) -> float:
         """Receive the activation from the stage before, and the gradient from the stage after."""

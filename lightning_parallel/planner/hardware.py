@@ -118,12 +118,8 @@ class Hardware:
         collective_overhead: Seconds per tensor-parallel or sharded data-parallel (FSDP) collective beyond the
             network: DTensor dispatch, redistribution, copies. DDP's bucketed all-reduce has none.
         step_overhead: Seconds per optimizer step outside the blocks (training loop, loss, hooks).
-        step_tensor_overhead: Seconds per step for each parameter tensor of the fullest pipeline rank on top
-            (optimizer step, zero_grad and gradient hooks loop over the tensors).
         sync_overhead: Seconds per step that layouts of several devices add beyond the modelled traffic (the logged
             loss's all-reduce, broadcasts, waiting for the slowest rank).
-        sync_tensor_overhead: Seconds per step and parameter tensor of the fullest pipeline rank that layouts of
-            several devices add on top (per-parameter gradient handling of the strategies).
         dp_overhead: Seconds per step of a data-parallel wrapper around the whole model (DDP / FSDP, when
             pp = tp = 1) on top of that: its forward hooks, buffer broadcast and barrier.
         optimizer_time: Seconds per local parameter for one optimizer step.
@@ -142,9 +138,7 @@ class Hardware:
     action_overhead: float = 0.0
     collective_overhead: float = 0.0
     step_overhead: float = 0.0
-    step_tensor_overhead: float = 0.0
     sync_overhead: float = 0.0
-    sync_tensor_overhead: float = 0.0
     dp_overhead: float = 0.0
     optimizer_time: float = 0.0
     dp_overlap: float = 0.0
@@ -162,9 +156,7 @@ class Hardware:
             "action_overhead",
             "collective_overhead",
             "step_overhead",
-            "step_tensor_overhead",
             "sync_overhead",
-            "sync_tensor_overhead",
             "dp_overhead",
             "optimizer_time",
         ):

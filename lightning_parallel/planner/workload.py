@@ -27,8 +27,6 @@ class Block:
         output: Elements of the block's output per sample: what a pipeline boundary after it sends.
         collectives: Tensor-parallel collectives per forward + backward: ``(kind, elements per sample)``.
         seconds: Measured forward + backward time ``(fixed, per sample)`` on one device; None = from FLOPs.
-        tensors: Parameter tensors of the block: the host's per-step work (optimizer, zero_grad, gradient
-            hooks) loops over them.
     """
 
     name: str
@@ -41,7 +39,6 @@ class Block:
     output: float = 0.0
     collectives: tuple[tuple[str, float], ...] = ()
     seconds: tuple[float, float] | None = None
-    tensors: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,7 +116,6 @@ def gpt_workload(
         tp_activations=(5 + 2 * r) * t * w + heads * t,
         output=t * w,
         collectives=(("all_reduce", t * w),) * 6,  # forward: proj, down; backward: q, k, v, up inputs
-        tensors=16,  # q, k, v, proj, up, down weights and biases, two LayerNorms
     )
     embed = Block(
         name="embed",
@@ -127,7 +123,6 @@ def gpt_workload(
         tp_params=v * w,
         output=t * w,
         collectives=(("all_reduce", t * w),),
-        tensors=2,  # token and position embeddings
     )
     head = Block(
         name="head",
@@ -138,7 +133,6 @@ def gpt_workload(
         activations=2 * t * w + 2 * t + t * v,  # norm input and output, and the loss's log-softmax of the logits
         output=t * v,
         collectives=(("all_gather", t * v), ("all_reduce", t * w)),
-        tensors=3,  # LayerNorm weight and bias, unembedding
     )
     blocks = (embed, *(replace(block, name=f"block_{i}") for i in range(depth)), head)
     modulus = math.gcd(heads, w, r * w, v)
