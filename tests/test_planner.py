@@ -198,6 +198,19 @@ def test_measured_block_costs_drive_the_estimate() -> None:
     assert estimate.time["compute"] == pytest.approx(5 * (1e-3 + 10 * 1e-4))
 
 
+def test_shared_cores_slow_the_compute_but_not_the_bubble() -> None:
+    """More processes than cores (compute_scale 2): every rank computes half as fast, but a rank waiting in the
+    pipeline's bubble holds no core, so the bubble stays what it is on a core of its own."""
+    workload = gpt_workload(depth=4, width=256, heads=4, vocab_size=64, seq_len=32)
+    layout = Layout(dp=1, pp=2, schedule="1f1b", microbatches=4)
+    own, shared = (
+        CostModel(workload, Hardware(memory="1GB", flops=1e12, compute_scale=scale)).estimate(layout, batch=8).time
+        for scale in (1.0, 2.0)
+    )
+    assert shared["compute"] == pytest.approx(2 * own["compute"])
+    assert own["bubble"] > 0 and shared["bubble"] == pytest.approx(own["bubble"], rel=0.05)
+
+
 BAD = {
     "zero devices": (
         lambda: plan(

@@ -263,7 +263,7 @@ class CostModel:
             "compute": m * slowest[0],
             "tp_comm": m * slowest[1],
             "pp_comm": m * slowest[2],
-            "bubble": pipeline - busy,
+            "bubble": (pipeline - busy) / hw.compute_scale,  # a rank waiting in the bubble holds no core
             "dp_comm": dp_comm,
             "optimizer": optimizer,
             "overhead": self._overhead(layout),

@@ -125,7 +125,7 @@ class Hardware:
         optimizer_time: Seconds per local parameter for one optimizer step.
         dp_overlap: Fraction of the backward pass that hides data-parallel communication (0: none hidden).
         compute_scale: Multiplies every compute time and host-side overhead; > 1 when devices share cores (CPU
-            processes outnumbering cores).
+            processes outnumbering cores). The pipeline bubble is not scaled: a rank waiting in it holds no core.
         network: The links between devices.
     """
 
