@@ -394,7 +394,8 @@ def write_report(result: dict[str, Any]) -> None:
         f"{hw['optimizer_time'] * 1e9:.2f} ns/parameter, gloo latency {net['intra_latency'] * 1e6:.0f} us, and "
         f"{net['intra_bandwidth'] / 1e9:.2f} GB/s reached by collectives inside training (gloo alone, two idle "
         f"processes: {result['loopback']['bandwidth'] / 1e9:.2f} GB/s); compute and host overheads x devices / "
-        f"{CORES} when processes outnumber cores. The pipeline action overhead is left at 0: solved from pipeline "
+        f"{CORES} when processes outnumber cores (not the pipeline bubble: a rank waiting in it holds no core). The "
+        "pipeline action overhead is left at 0: solved from pipeline "
         "runs it came out at or below 0 on this machine (the per-micro-batch cost is inside the measured block times).",
         "",
         "How (every round, medians over rounds): block forward+backward times are fitted as fixed + per-sample from "
