@@ -6,6 +6,8 @@ Imported by the scripts next to it (`python benchmarks/<name>.py` puts this fold
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import platform
 import statistics
@@ -48,3 +50,29 @@ def stats_ms(seconds: list[float]) -> dict[str, float]:
 def machine() -> str:
     """e.g. 'x86_64, 2 CPUs, torch 2.13.0+cpu'."""
     return f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
+
+
+# ---- the overhead benchmarks' shared frame (strategy vs the same layout written by hand) -----------------------
+def overhead_arguments(description: str, timeout: float) -> argparse.Namespace:
+    """Steps, warm-up and interleaved repeats per run; `--worker DIR` marks a launched rank."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=8, help="measured steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="steps per run left out of the statistics")
+    parser.add_argument("--repeats", type=int, default=10, help="interleaved repeats of every run (even: balanced)")
+    parser.add_argument("--timeout", type=float, default=timeout, help="seconds before the ranks are killed")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def worker_args(args: argparse.Namespace) -> list[str]:
+    """The arguments each launched rank gets back."""
+    return ["--steps", str(args.steps), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+
+
+def write_results(results: Path, name: str, report: dict, table: str, wall_s: float) -> None:
+    """results/<name>.json (the whole report) and results/<name>.md (the table), and the table on stdout."""
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{name}.json").write_text(json.dumps(report, indent=1))
+    (results / f"{name}.md").write_text(table)
+    print(table)
+    print(f"wrote {results}/{name}.{{json,md}} in {wall_s:.0f} s")

@@ -26,8 +26,8 @@ import lightning
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from measure import machine
-from pipeline_overhead import PROBE, StepTimer, compare, merge_ranks, probe_schedules
+from measure import machine, overhead_arguments, worker_args, write_results
+from pipeline_overhead import PROBE, compare, merge_ranks, probe_schedules
 from ranks import bare_trainer, launch
 from tensor_overhead import (
     BATCH,
@@ -83,8 +83,8 @@ def end_run(module: nn.Module) -> dict[str, Any]:
     return {**PROBE.result(module), "parameter_bytes": parameter_bytes(module)}  # DTensors: local shards
 
 
-class LossTimer(StepTimer):
-    """pipeline_overhead's StepTimer (barrier, then batch start to batch end), keeping the step's loss too."""
+class LossTimer(pl.Callback):
+    """Barrier, then batch start to batch end (as pipeline_overhead's StepTimer), with CPU time and the loss."""
 
     def on_train_batch_start(self, *args: Any) -> None:
         dist.barrier()
@@ -284,20 +284,13 @@ def markdown(summary: dict[str, Any], config: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="PipelineParallelStrategy pp2 x tp2 vs the same layout by hand")
-    parser.add_argument("--steps", type=int, default=8, help="measured steps per run")
-    parser.add_argument("--warmup", type=int, default=2, help="steps per run left out of the statistics")
-    parser.add_argument("--repeats", type=int, default=10, help="interleaved repeats of every run (even: ABBA)")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds before the ranks are killed")
-    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = overhead_arguments("PipelineParallelStrategy pp2 x tp2 vs the same layout by hand", timeout=1800)
     if args.worker is not None:
         worker(args.worker, args)
         return
     started = time.perf_counter()
-    worker_args = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
     with tempfile.TemporaryDirectory() as tmp:
-        runs = merge_ranks(launch(__file__, PP * TP, Path(tmp), worker_args, args.timeout), args.warmup)
+        runs = merge_ranks(launch(__file__, PP * TP, Path(tmp), worker_args(args), args.timeout), args.warmup)
     config = {
         "steps": args.steps,
         "warmup": args.warmup,
@@ -313,13 +306,8 @@ def main() -> None:
         "wall_s": time.perf_counter() - started,
     }  # fmt: skip
     summary = summarise(runs, args.warmup)
-    RESULTS.mkdir(parents=True, exist_ok=True)
     report = {"config": config, "summary": summary, "runs": runs}
-    (RESULTS / "overhead_3d.json").write_text(json.dumps(report, indent=1))
-    table = markdown(summary, config)
-    (RESULTS / "overhead_3d.md").write_text(table)
-    print(table)
-    print(f"wrote {RESULTS}/overhead_3d.{{json,md}} in {config['wall_s']:.0f} s")
+    write_results(RESULTS, "overhead_3d", report, markdown(summary, config), config["wall_s"])
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from measure import busy_cpu_seconds, machine, stats_ms
+from measure import busy_cpu_seconds, machine, overhead_arguments, stats_ms, worker_args, write_results
 from ranks import bare_trainer, launch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -468,18 +468,8 @@ def markdown(summary: dict[str, Any], config: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def worker_args(args: argparse.Namespace) -> list[str]:
-    return ["--steps", str(args.steps), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8, help="measured steps per run")
-    parser.add_argument("--warmup", type=int, default=2, help="steps per run left out of the statistics")
-    parser.add_argument("--repeats", type=int, default=10, help="interleaved repeats of every run (even: balanced)")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds before the ranks are killed")
-    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = overhead_arguments(__doc__.splitlines()[0], timeout=900)
     if args.worker is not None:
         worker(args.worker, args)
         return
@@ -501,13 +491,8 @@ def main() -> None:
         "wall_s": time.perf_counter() - started,
     }  # fmt: skip
     summary = summarise(runs)
-    RESULTS.mkdir(parents=True, exist_ok=True)
     report = {"config": config, "summary": summary, "runs": runs}
-    (RESULTS / "tensor_overhead.json").write_text(json.dumps(report, indent=1))
-    table = markdown(summary, config)
-    (RESULTS / "tensor_overhead.md").write_text(table)
-    print(table)
-    print(f"wrote {RESULTS}/tensor_overhead.{{json,md}} in {config['wall_s']:.0f} s")
+    write_results(RESULTS, "tensor_overhead", report, markdown(summary, config), config["wall_s"])
 
 
 if __name__ == "__main__":
