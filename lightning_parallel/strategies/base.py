@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from abc import abstractmethod
 from collections.abc import Callable
+from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -57,9 +58,10 @@ from lightning_parallel.checkpoint import (
     sharded_tensors,
 )
 from lightning_parallel.dims import ParallelDims
+from lightning_parallel.parameter_kinds import then_by_kind
 from lightning_parallel.precision import clip_grad_norm_global
 from lightning_parallel.rendezvous import bound_store, listen_address
-from lightning_parallel.seams import changed, finish_restored_epoch
+from lightning_parallel.seams import changed, finish_restored_epoch, fused_sgd_on_dtensor
 from lightning_parallel.strategies.arguments import check_backend, check_timeout
 from lightning_parallel.strategies.mesh_precision import mesh_precision
 from lightning_parallel.strategies.peers import PeerFailure, check_nodes, stop_peers
@@ -154,6 +156,7 @@ class MeshStrategy(ParallelStrategy):
         self.on_device(trainer, module)
         self.barrier()
         if trainer.state.fn == "fit":
+            fused_sgd_on_dtensor()
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
@@ -163,6 +166,13 @@ class MeshStrategy(ParallelStrategy):
 
     def on_device(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         """What needs the network converted and on its device (runtimes, gradient hooks, the start line)."""
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        # foreach and fused kernels (CUDA's default) take one kind of parameter per call: the update, and only it,
+        # runs each param group one kind at a time (`parameter_kinds.py`)
+        with ExitStack() as stack:
+            return super().optimizer_step(optimizer, then_by_kind(closure, optimizer, stack), model, **kwargs)
 
     def clip_norm_over_mesh(self, parameters: list[nn.Parameter], max_norm: float) -> None:
         """Clip this rank's `parameters` by one norm over the whole model, as one process would. DTensor
