@@ -29,8 +29,14 @@ STEPS = 20
 PLAIN, MOMENTUM = 0.0, 0.9
 FITS = {
     "ddp": {"strategy": "ddp", "momentum": PLAIN},
-    "local_sgd_1": {"strategy": "local_sgd", "args": {"period": 1}, "momentum": PLAIN},
-    "diloco_1": {"strategy": "diloco", "args": {"period": 1, "outer_optimizer": [1.0, 0.0, False]}, "momentum": PLAIN},
+    # foreach and fused: CUDA's optimizer kernels, against DDP's plain loop
+    "local_sgd_1": {"strategy": "local_sgd", "args": {"period": 1}, "momentum": PLAIN, "kernel": {"foreach": True}},
+    "diloco_1": {
+        "strategy": "diloco",
+        "args": {"period": 1, "outer_optimizer": [1.0, 0.0, False]},
+        "momentum": PLAIN,
+        "kernel": {"fused": True},
+    },
     "local_sgd_4": {
         "strategy": "local_sgd",
         "args": {"period": 4, "warmup_steps": 3},

@@ -19,9 +19,11 @@ from common import fit_model, local_state  # noqa: E402
 STEPS = 20
 CLIP = {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}
 BF16 = {"precision": "bf16-mixed", **CLIP}
+FUSED_ADAMW = ("AdamW", {"lr": 1e-3, "fused": True})
 
 
 def reference(model: str, global_batch: int, **trainer: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process; `trainer` may also hold `optimizer` (see `fit_model`)."""
     task, losses, _ = fit_model(
         "auto", model=model, devices=1, global_batch=global_batch, replicas=1, steps=STEPS, **trainer
     )
@@ -89,11 +91,14 @@ def test_pipeline_by_tensor_with_clipping_accumulation_bf16_and_fsdp_replicas(tm
 
 @pytest.mark.slow
 def test_data_by_pipeline_by_tensor_on_eight_processes(tmp_path: Path) -> None:
+    """SimpleCNN with fused AdamW and clipping (CUDA's optimizer kernels; SimpleCNN's head stays plain beside
+    sharded layers), the GPT with SGD."""
     runs = [("gpt", "1f1b"), ("gpt", "interleaved_1f1b"), ("simple_cnn", "1f1b")]
-    per_rank = run_workers(
-        "three_d", 8, [config(model, schedule, 2) for model, schedule in runs], tmp_path, timeout=600
-    )
-    references = {model: reference(model, 16) for model in ("gpt", "simple_cnn")}
+    configs = [config(model, schedule, 2) for model, schedule in runs]
+    configs[2] = {**configs[2], "optimizer": FUSED_ADAMW, "trainer": {"gradient_clip_val": 0.5}}
+    per_rank = run_workers("three_d", 8, configs, tmp_path, timeout=600)
+    cnn = {"optimizer": FUSED_ADAMW, "gradient_clip_val": 0.5}
+    references = {"gpt": reference("gpt", 16), "simple_cnn": reference("simple_cnn", 16, **cnn)}
     for index, (model, schedule) in enumerate(runs):
         try:
             assert_matches(per_rank, index, references[model], dp=2)

@@ -9,6 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
@@ -112,6 +113,24 @@ class Classifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+# What TutorialOptimizers is trained with: clipping by norm and accumulation over two batches.
+CLIP_ACCUMULATE = {"gradient_clip_val": 0.5, "accumulate_grad_batches": 2}
+
+
+class TutorialOptimizers(Classifier):
+    """configure_optimizers as tutorials write it: any torch optimizer over `self.parameters()` (`foreach=True` or
+    `fused=True` is what CUDA runs by default or on request) and a learning rate that decays every step."""
+
+    def __init__(self, net: nn.Module, optimizer: str, **optimizer_kwargs: Any) -> None:
+        super().__init__(net)
+        self.optimizer_name, self.optimizer_kwargs = optimizer, optimizer_kwargs
+
+    def configure_optimizers(self) -> Any:  # type: ignore[override]
+        optimizer = getattr(torch.optim, self.optimizer_name)(self.parameters(), **self.optimizer_kwargs)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + 0.2 * step))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
 class Loss(pl.Callback):
     """The loss each training step returned, as Lightning saw it."""
 
@@ -137,24 +156,31 @@ def fit(
     steps: int,
     shuffle: bool,
     batch_size: int = 16,
+    save_every: int | None = None,
+    save_dir: str | None = None,
+    ckpt_path: str | None = None,
     **trainer_kwargs: Any,
 ) -> dict[str, Any]:
-    """Fit with the user's defaults (use_distributed_sampler=True); losses, logged metrics, local weights."""
+    """Fit with the user's defaults (use_distributed_sampler=True); losses, logged metrics, local weights. With
+    `save_every`, a checkpoint `step=<N>.ckpt` in `save_dir` every that many optimizer steps; `ckpt_path` resumes."""
     pl.seed_everything(0, verbose=False)
     losses = Loss()
+    callbacks: list[pl.Callback] = [losses]
+    if save_every is not None:
+        callbacks.append(ModelCheckpoint(save_dir, filename="{step}", save_top_k=-1, every_n_train_steps=save_every))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
         max_steps=steps,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=save_every is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[losses],
+        callbacks=callbacks,
         **trainer_kwargs,
     )
-    trainer.fit(module, train_dataloaders=loader(shuffle=shuffle, batch_size=batch_size))
+    trainer.fit(module, train_dataloaders=loader(shuffle=shuffle, batch_size=batch_size), ckpt_path=ckpt_path)
     # DTensors gathered whole (a collective, and every rank gets here)
     # every name of a shared (tied) parameter, so one process's state lines up with each stage's
     state = {name: _whole(p).detach().cpu().clone() for name, p in module.named_parameters(remove_duplicate=False)}
@@ -170,14 +196,7 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 
 def build(net: str, step: str) -> Classifier:
     torch.manual_seed(0)
-    networks = {
-        "sequential_mlp": sequential_mlp,
-        "tied_sequential": tied_sequential,
-        "tutorial_cnn": TutorialCNN,
-        "batchnorm_cnn": BatchNormCNN,
-        "four_linear_mlp": FourLinearMLP,
-    }
-    return Classifier(networks[net](), step=step)
+    return Classifier(NETWORKS[net](), step=step)
 
 
 def tied_sequential() -> nn.Sequential:
@@ -185,3 +204,12 @@ def tied_sequential() -> nn.Sequential:
     first, second = nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False)
     second.weight = first.weight
     return nn.Sequential(nn.Flatten(), first, nn.ReLU(), second, nn.Linear(64, CLASSES))
+
+
+NETWORKS: dict[str, Any] = {
+    "sequential_mlp": sequential_mlp,
+    "tied_sequential": tied_sequential,
+    "tutorial_cnn": TutorialCNN,
+    "batchnorm_cnn": BatchNormCNN,
+    "four_linear_mlp": FourLinearMLP,
+}

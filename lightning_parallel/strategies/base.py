@@ -58,7 +58,7 @@ from lightning_parallel.checkpoint import (
     sharded_tensors,
 )
 from lightning_parallel.dims import ParallelDims
-from lightning_parallel.parameter_kinds import then_by_kind
+from lightning_parallel.parameter_kinds import groups_by_kind, then_by_kind
 from lightning_parallel.precision import clip_grad_norm_global
 from lightning_parallel.rendezvous import bound_store, listen_address
 from lightning_parallel.seams import changed, finish_restored_epoch, fused_sgd_on_dtensor
@@ -460,7 +460,7 @@ class MeshStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
         assert self.lightning_module is not None
-        return get_optimizer_state_dict(self.lightning_module, optimizer, options=OPTIMIZER_OPTIONS)
+        return optimizer_state_dict(self.lightning_module, optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -489,7 +489,7 @@ class MeshStrategy(ParallelStrategy):
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(module)}
         for i, optimizer in enumerate(optimizers):
-            state[f"optimizer_{i}"] = get_optimizer_state_dict(module, optimizer, options=OPTIMIZER_OPTIONS)
+            state[f"optimizer_{i}"] = optimizer_state_dict(module, optimizer)
         expected = {k: tuple(v.shape) for k, v in state[MODEL_KEY].items()}  # this rank's part, global shapes
         compare_tensors(path, sharded_tensors(path), expected, whole=False)
         dcp.load(state, checkpoint_id=str(path))
@@ -505,3 +505,10 @@ class MeshStrategy(ParallelStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         pass  # already loaded in load_checkpoint
+
+
+def optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """DCP's flattened state dict of `optimizer`. DCP first steps an optimizer that has no state yet (at lr 0), and
+    that step too takes one parameter kind at a time; flattened keys name parameters, so the split never shows."""
+    with groups_by_kind(optimizer):
+        return get_optimizer_state_dict(module, optimizer, options=OPTIMIZER_OPTIONS)

@@ -1,5 +1,6 @@
 """Asynchronous SGD scenarios on SimpleCNN over digits (one launch each, see tests/test_async_sgd.py):
-"parity": one worker against one plain process; "resume": a 2-worker run saved and resumed."""
+"parity": one worker against one plain process; "resume": a 2-worker run saved and resumed. SGD runs fused (the
+kernel CUDA users ask for), on the server as on the workers."""
 
 from __future__ import annotations
 
@@ -51,7 +52,9 @@ def fit(strategy: Any, steps: int, *, ckpt_path: str | None = None) -> tuple[pl.
         callbacks=[recorder, start],
     )
     task = ClassificationTask(
-        SimpleCNN(**data.model_hints), num_classes=10, optimizer=partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+        SimpleCNN(**data.model_hints),
+        num_classes=10,
+        optimizer=partial(torch.optim.SGD, lr=0.05, momentum=0.9, fused=True),
     )
     trainer.fit(task, datamodule=data, ckpt_path=ckpt_path)
     return trainer, task, {"losses": recorder.history["train/loss"], "start": start}

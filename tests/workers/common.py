@@ -47,12 +47,14 @@ def fit_model(
     seed: int = 0,
     task_class: type[pl.LightningModule] | None = None,
     val_batches: int = 0,
+    optimizer: tuple[str, dict[str, Any]] | None = None,
     **trainer_kwargs: Any,
 ) -> tuple[pl.LightningModule, list[float], pl.Trainer]:
     """Fit a tiny "gpt" (4 heads, so TP=4 works), "gpt6" (TINY_GPT), "simple_cnn" or "resnet18" with SGD;
     returns task, per-step training losses, trainer.
 
     `task_class` replaces the default task class (LanguageModelTask / ClassificationTask), e.g. by a subclass.
+    `optimizer` (a torch.optim class name and its arguments) replaces the default SGD.
     `val_batches` > 0 lets a later `trainer.validate(task, datamodule=trainer.datamodule)` run that many batches
     (an epoch is 2 x steps batches, so fit itself ends before its first validation).
     """
@@ -92,15 +94,19 @@ def fit_model(
     # empty_init=True: the tensor strategy materialises one layer at a time (the pipeline builds on meta anyway)
     with trainer.init_module(empty_init=isinstance(strategy, TensorParallelStrategy) or None):
         network = tiny_network(model)
+    chosen = partial(getattr(torch.optim, optimizer[0]), **optimizer[1]) if optimizer is not None else None
     if model.startswith("gpt"):
         task_class = task_class or LanguageModelTask
-        task: pl.LightningModule = task_class(network, optimizer=partial(torch.optim.SGD, lr=0.5, momentum=0.9))
+        task: pl.LightningModule = task_class(
+            network, optimizer=chosen or partial(torch.optim.SGD, lr=0.5, momentum=0.9)
+        )
     else:
         # ResNet-18 with BatchNorm at batch 8 is chaotic at ordinary rates: a 1e-7 relative nudge of the weights
         # grows to 1e-1 in the loss within 20 steps at lr 5e-4. At lr 1e-4 without momentum it stays near 1e-6.
         rate = {"resnet18": {"lr": 1e-4}}.get(model, {"lr": 0.02, "momentum": 0.9})
-        optimizer = partial(torch.optim.SGD, **rate)
-        task = (task_class or ClassificationTask)(network, num_classes=4, optimizer=optimizer)
+        task = (task_class or ClassificationTask)(
+            network, num_classes=4, optimizer=chosen or partial(torch.optim.SGD, **rate)
+        )
     trainer.fit(task, datamodule=data)
     return task, recorder.history["train/loss"], trainer
 

@@ -1,7 +1,8 @@
 """Worker: fit the tiny GPT once per payload entry under ddp, local_sgd or diloco (2 replicas, plain or momentum
 SGD), recording each step's parameter checksum on this rank; optionally checkpoint every 10 steps or resume.
 
-Payload: [{"strategy": "ddp" | "local_sgd" | "diloco", "args": {...}, "steps", "momentum", "save_dir", "resume"}]
+Payload: [{"strategy": "ddp" | "local_sgd" | "diloco", "args": {...}, "steps", "momentum", "kernel"?, "save_dir",
+"resume"}] ("kernel": SGD's {"foreach": true} or {"fused": true}).
 (`args["outer_optimizer"]` is [lr, momentum, nesterov] for torch.optim.SGD). Saves a list of results per rank.
 """
 
@@ -74,7 +75,8 @@ def fit(config: dict[str, Any]) -> dict[str, Any]:
     )
     with trainer.init_module():
         network = tiny_network("gpt")
-    task = LanguageModelTask(network, optimizer=partial(torch.optim.SGD, lr=0.5, momentum=config["momentum"]))
+    kernel = config.get("kernel", {})  # {"foreach": True} or {"fused": True}
+    task = LanguageModelTask(network, optimizer=partial(torch.optim.SGD, lr=0.5, momentum=config["momentum"], **kernel))
     trainer.fit(task, datamodule=data, ckpt_path=config.get("resume"))
     return {"losses": recorder.history["train/loss"], "state": local_state(task), "sums": checksums.sums}
 

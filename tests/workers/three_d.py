@@ -19,6 +19,7 @@ for config in configs:
         global_batch=config["global_batch"],
         replicas=config["strategy"].get("data_parallel_size", 1),
         steps=config["steps"],
+        optimizer=config.get("optimizer"),
         **config.get("trainer", {}),
     )
     state = {name: t for name, t in full_state(task.model).items() if name in dict(task.model.named_parameters())}
