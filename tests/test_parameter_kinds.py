@@ -1,0 +1,89 @@
+"""One optimizer over plain and DTensor parameters: the update runs each param group one kind at a time, and the
+optimizer holds the user's own groups before and after it (`parameter_kinds.py`); fused SGD steps DTensors
+(`seams.fused_sgd_on_dtensor`). In one process over a one-rank mesh; the layouts themselves are in
+test_default_optimizers.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from lightning_parallel.parameter_kinds import groups_by_kind, mixes_kinds, then_by_kind
+from lightning_parallel.seams import fused_sgd_on_dtensor
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[Any]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    dist.destroy_process_group()
+
+
+def parameters(mesh: Any, kinds: str) -> list[torch.nn.Parameter]:
+    """One parameter per letter: "p" plain, "s" sharded DTensor, "r" replicated DTensor; each with a gradient."""
+    torch.manual_seed(0)
+    made = []
+    for letter in kinds:
+        value = torch.randn(4, 3)
+        if letter != "p":
+            value = distribute_tensor(value, mesh, [Shard(0) if letter == "s" else Replicate()])
+        param = torch.nn.Parameter(value)
+        param.grad = torch.ones_like(param)
+        made.append(param)
+    return made
+
+
+def test_split_inside_the_block_and_the_users_groups_after(mesh: Any) -> None:
+    mixed, plain = parameters(mesh, "psrp"), parameters(mesh, "pp")
+    optimizer = torch.optim.AdamW([{"params": mixed, "lr": 0.1}, {"params": plain}], lr=0.2)
+    groups = optimizer.param_groups
+    assert mixes_kinds(optimizer)
+    with groups_by_kind(optimizer):
+        inside = optimizer.param_groups
+        assert [[type(p) for p in g["params"]] for g in inside] == [
+            [torch.nn.Parameter, torch.nn.Parameter],
+            [DTensor, DTensor],
+            [torch.nn.Parameter, torch.nn.Parameter],
+        ]
+        assert [g["lr"] for g in inside] == [0.1, 0.1, 0.2]
+        assert inside[2] is groups[1]  # a group of one kind stays the user's own dict
+        inside[1]["lr"] = 0.05  # a hyperparameter rebound during the update is kept
+    assert optimizer.param_groups is groups
+    assert groups[0]["params"] == mixed and groups[0]["lr"] == 0.05
+
+
+@pytest.mark.parametrize("kernel", [{"foreach": True}, {"fused": True}], ids=["foreach", "fused"])
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW"])
+def test_each_kernel_steps_mixed_kinds_like_the_plain_loop(mesh: Any, name: str, kernel: dict[str, bool]) -> None:
+    fused_sgd_on_dtensor()
+    arguments: dict[str, Any] = {"lr": 0.1, "momentum": 0.9} if name == "SGD" else {"lr": 0.1}
+    mixed, reference = parameters(mesh, "psrp"), parameters(mesh, "pppp")
+    optimizer = getattr(torch.optim, name)(mixed, **arguments, **kernel)
+    plain = getattr(torch.optim, name)(reference, **arguments, foreach=False)
+    unsplit = getattr(torch.optim, name)(parameters(mesh, "psrp"), **arguments, **kernel)
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        unsplit.step()  # what CUDA users met: one kernel call over both kinds
+    for _ in range(3):
+        with ExitStack() as stack:
+            optimizer.step(then_by_kind(lambda: None, optimizer, stack))
+        plain.step()
+    for p, q in zip(mixed, reference, strict=True):
+        value = p.full_tensor() if isinstance(p, DTensor) else p
+        torch.testing.assert_close(value, q, rtol=0, atol=1e-6)
+    assert optimizer.state[mixed[1]]["exp_avg" if name != "SGD" else "momentum_buffer"].__class__ is DTensor
+
+
+def test_fused_sgd_steps_dtensors_once_registered(mesh: Any) -> None:
+    fused_sgd_on_dtensor()
+    fused_sgd_on_dtensor()  # idempotent
+    params = parameters(mesh, "sr")
+    optimizer = torch.optim.SGD(params, lr=0.5, momentum=0.9, fused=True)
+    optimizer.step()
+    assert torch.allclose(params[1].full_tensor(), parameters(mesh, "sr")[1].full_tensor() - 0.5)
