@@ -159,6 +159,7 @@ def fit(
     save_every: int | None = None,
     save_dir: str | None = None,
     ckpt_path: str | None = None,
+    accelerator: str = "cpu",
     **trainer_kwargs: Any,
 ) -> dict[str, Any]:
     """Fit with the user's defaults (use_distributed_sampler=True); losses, logged metrics, local weights. With
@@ -169,7 +170,7 @@ def fit(
     if save_every is not None:
         callbacks.append(ModelCheckpoint(save_dir, filename="{step}", save_top_k=-1, every_n_train_steps=save_every))
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=devices,
         strategy=strategy,
         max_steps=steps,

@@ -2,12 +2,14 @@
 torch optimizer as CUDA runs it (foreach or fused), gradient clipping, accumulation and a per-step LR scheduler. An
 entry with "resume_at" first fits to that step, saving a checkpoint there, and then resumes from it in a new Trainer.
 
-Payload: [{"strategy": "tensor" | "pipeline", "args": {...}, "net", "optimizer": [name, kwargs], "steps",
-"batch_size" (per replica), "resume_at"?}]. Saves per entry the losses and the weights this rank holds, whole.
+Payload: [{"strategy": "tensor" | "pipeline" | "auto", "args": {...}, "net", "optimizer": [name, kwargs], "steps",
+"batch_size" (per replica), "resume_at"?, "accelerator"? ("cpu")}]. Saves per entry the losses and the weights this
+rank holds, whole.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,9 +33,12 @@ def run(config: dict[str, Any], save_dir: Path) -> dict[str, Any]:
         return TutorialOptimizers(NETWORKS[config["net"]](), name, **kwargs)
 
     def strategy() -> Any:
+        if config["strategy"] == "auto":  # Lightning's own single device, the reference on a GPU
+            return "auto"
         return STRATEGIES[config["strategy"]](**config["args"], timeout=60)
 
     size = {"devices": config["devices"], "shuffle": False, "batch_size": config["batch_size"], **CLIP_ACCUMULATE}
+    size["accelerator"] = config.get("accelerator", "cpu")
     resume_at, last = config.get("resume_at"), module()
     if resume_at is None:
         result = fit(last, strategy=strategy(), steps=config["steps"], **size)
@@ -49,4 +54,4 @@ def run(config: dict[str, Any], save_dir: Path) -> dict[str, Any]:
 
 configs, out = payload()
 results = [run(config, out / f"checkpoints{index}") for index, config in enumerate(configs)]
-torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")
+torch.save(results, out / f"rank{os.environ['RANK']}.pt")
