@@ -11,7 +11,13 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+
+# torch optimizers whose update DTensor cannot run on a sharded parameter (torch 2.11 to 2.15, any kernel), and why.
+CANNOT_STEP_SHARDS: dict[str, str] = {
+    "Rprop": "its update writes into the parameter through a mask (index_put_)",
+    "Adafactor": "its update factors each gradient into row and column norms in place",
+}
 
 
 def kind(tensor: torch.Tensor) -> Hashable:
@@ -69,3 +75,24 @@ def then_by_kind(closure: Callable[[], Any], optimizer: Any, stack: ExitStack) -
         return result
 
     return closure_then_split
+
+
+class OptimizerRefused(ValueError):
+    """An optimizer that cannot update this layout's parameters; every rank raises the same one line (so a caller
+    prints it once)."""
+
+    same_on_every_rank = True
+
+
+def refuse_unsteppable(optimizer: torch.optim.Optimizer) -> None:
+    """One line, before the first step, for an optimizer listed in CANNOT_STEP_SHARDS over sharded parameters
+    (DTensor would stop it mid-step, on every rank, with an error about placements)."""
+    name = next((n for n in CANNOT_STEP_SHARDS if isinstance(optimizer, getattr(torch.optim, n, ()))), None)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    sharded = [p for p in params if isinstance(p, DTensor) and any(isinstance(s, Shard) for s in p.placements)]
+    if name is not None and sharded:
+        raise OptimizerRefused(
+            f"torch.optim.{name} cannot update tensor-parallel (sharded) parameters: "
+            f"{CANNOT_STEP_SHARDS[name]}, which DTensor cannot do on a shard. HINT: use Adam, AdamW, SGD, Adagrad, "
+            "RMSprop, NAdam or RAdam (foreach and fused work), or train without tensor parallelism"
+        )

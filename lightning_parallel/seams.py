@@ -90,27 +90,29 @@ def stage_backward_calls(stage: object) -> tuple[Callable[..., Any], Callable[..
     return backward, private_method(stage, "backward_weight_one_chunk", library="torch", why=why)
 
 
-def fused_sgd_on_dtensor() -> None:
-    """Let `SGD(fused=True)` step DTensor parameters. DTensor shards fused Adam and AdamW element-wise over their lists
-    of parameters, gradients and states, but registers no rule for fused SGD ("Operator aten._fused_sgd_.default does
-    not have a sharding strategy registered"), whose lists have the same shape; fused SGD gets fused Adam's rule, in
-    whichever of the sharding propagator's tables this torch keeps it. Does nothing where torch has its own rule."""
+def fused_steps_on_dtensor() -> None:
+    """Let `SGD(fused=True)` and `Adagrad(fused=True)` step DTensor parameters. DTensor shards fused Adam and AdamW
+    element-wise over their lists of parameters, gradients and states, but registers no rule for fused SGD or Adagrad
+    ("Operator aten._fused_sgd_.default does not have a sharding strategy registered"), whose lists have the same
+    shape; they get fused Adam's rule, in whichever of the sharding propagator's tables this torch keeps it. Does
+    nothing where torch has its own rule."""
     from torch.distributed.tensor import DTensor
 
-    why = "run SGD(fused=True) on tensor-parallel parameters"
+    why = "run SGD(fused=True) and Adagrad(fused=True) on tensor-parallel parameters"
     propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
     tables = [t for t in vars(propagator).values() if isinstance(t, dict)] if propagator is not None else []
     aten = torch.ops.aten
-    for adam, sgd in (
+    for adam, other in (
         (aten._fused_adam_.default, aten._fused_sgd_.default),
         (aten._fused_adam_.tensor_lr, aten._fused_sgd_.tensor_lr),
+        (aten._fused_adam_.default, aten._fused_adagrad_.default),
     ):
         holding = [t for t in tables if adam in t]
         if not holding:
             raise changed("torch", f"DTensor's sharding rule for {adam}", why)
-        if not any(sgd in t for t in holding):
+        if not any(other in t for t in holding):
             for table in holding:
-                table[sgd] = table[adam]
+                table[other] = table[adam]
 
 
 def finish_restored_epoch(trainer: Any) -> None:

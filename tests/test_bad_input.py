@@ -172,3 +172,19 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, case: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0], result.stderr[-2000:]
     assert "HINT: " in lines[0] and "Traceback" not in result.stderr + result.stdout
     assert not list(tmp_path.rglob("summary.json"))
+
+
+def test_an_optimizer_that_cannot_step_shards_is_one_line_before_the_first_step(tmp_path: Path) -> None:
+    """Known only once the optimizer exists (after launch): every rank refuses before the first step, rank 0 says it."""
+    overrides = [
+        "strategy=tensor",
+        "trainer.devices=2",
+        "optimizer._target_=torch.optim.Rprop",
+        "~optimizer.weight_decay",
+    ]
+    overrides.append("trainer.max_steps=2")
+    result = run_cli(*overrides, cwd=tmp_path, timeout=180)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert len(errors) == 1 and "torch.optim.Rprop cannot update tensor-parallel" in errors[0], result.stderr[-2000:]
+    assert not list(tmp_path.rglob("summary.json"))

@@ -1,6 +1,6 @@
 """One optimizer over plain and DTensor parameters: the update runs each param group one kind at a time, and the
 optimizer holds the user's own groups before and after it (`parameter_kinds.py`); fused SGD steps DTensors
-(`seams.fused_sgd_on_dtensor`). In one process over a one-rank mesh; the layouts themselves are in
+(`seams.fused_steps_on_dtensor`). In one process over a one-rank mesh; the layouts themselves are in
 test_default_optimizers.py."""
 
 from __future__ import annotations
@@ -15,8 +15,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from lightning_parallel.parameter_kinds import groups_by_kind, mixes_kinds, then_by_kind
-from lightning_parallel.seams import fused_sgd_on_dtensor
+from lightning_parallel.parameter_kinds import (
+    CANNOT_STEP_SHARDS,
+    groups_by_kind,
+    mixes_kinds,
+    refuse_unsteppable,
+    then_by_kind,
+)
+from lightning_parallel.seams import fused_steps_on_dtensor
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +66,11 @@ def test_split_inside_the_block_and_the_users_groups_after(mesh: Any) -> None:
 
 
 @pytest.mark.parametrize("kernel", [{"foreach": True}, {"fused": True}], ids=["foreach", "fused"])
-@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW"])
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "Adagrad"])
 def test_each_kernel_steps_mixed_kinds_like_the_plain_loop(mesh: Any, name: str, kernel: dict[str, bool]) -> None:
-    fused_sgd_on_dtensor()
+    fused_steps_on_dtensor()
     arguments: dict[str, Any] = {"lr": 0.1, "momentum": 0.9} if name == "SGD" else {"lr": 0.1}
+    state = {"SGD": "momentum_buffer", "Adagrad": "sum"}.get(name, "exp_avg")
     mixed, reference = parameters(mesh, "psrp"), parameters(mesh, "pppp")
     optimizer = getattr(torch.optim, name)(mixed, **arguments, **kernel)
     plain = getattr(torch.optim, name)(reference, **arguments, foreach=False)
@@ -77,13 +84,33 @@ def test_each_kernel_steps_mixed_kinds_like_the_plain_loop(mesh: Any, name: str,
     for p, q in zip(mixed, reference, strict=True):
         value = p.full_tensor() if isinstance(p, DTensor) else p
         torch.testing.assert_close(value, q, rtol=0, atol=1e-6)
-    assert optimizer.state[mixed[1]]["exp_avg" if name != "SGD" else "momentum_buffer"].__class__ is DTensor
+    assert optimizer.state[mixed[1]][state].__class__ is DTensor
 
 
 def test_fused_sgd_steps_dtensors_once_registered(mesh: Any) -> None:
-    fused_sgd_on_dtensor()
-    fused_sgd_on_dtensor()  # idempotent
+    fused_steps_on_dtensor()
+    fused_steps_on_dtensor()  # idempotent
     params = parameters(mesh, "sr")
     optimizer = torch.optim.SGD(params, lr=0.5, momentum=0.9, fused=True)
     optimizer.step()
     assert torch.allclose(params[1].full_tensor(), parameters(mesh, "sr")[1].full_tensor() - 0.5)
+
+
+@pytest.mark.parametrize("name", sorted(CANNOT_STEP_SHARDS))
+def test_optimizers_that_cannot_step_shards_are_refused_in_one_line(mesh: Any, name: str) -> None:
+    with pytest.raises(RuntimeError, match="placement"):  # the table is true of this torch: DTensor stops it mid-step
+        getattr(torch.optim, name)(parameters(mesh, "s"), lr=0.1).step()
+    with pytest.raises(ValueError, match=f"torch.optim.{name} cannot update tensor-parallel") as error:
+        refuse_unsteppable(getattr(torch.optim, name)(parameters(mesh, "psr"), lr=0.1))
+    assert "\n" not in str(error.value) and "HINT: use Adam" in str(error.value)
+    refuse_unsteppable(getattr(torch.optim, name)(parameters(mesh, "pr"), lr=0.1))  # nothing sharded: it steps
+    getattr(torch.optim, name)(parameters(mesh, "pr"), lr=0.1).step()
+
+
+@pytest.mark.parametrize("name", ["RMSprop", "NAdam", "RAdam", "Adamax", "Adadelta", "ASGD"])
+def test_the_other_optimizers_step_shards_and_are_not_refused(mesh: Any, name: str) -> None:
+    for kernel in (False, True):
+        optimizer = getattr(torch.optim, name)(parameters(mesh, "psr"), lr=0.1, foreach=kernel)
+        refuse_unsteppable(optimizer)
+        with ExitStack() as stack:
+            optimizer.step(then_by_kind(lambda: None, optimizer, stack))

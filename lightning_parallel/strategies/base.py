@@ -58,10 +58,10 @@ from lightning_parallel.checkpoint import (
     sharded_tensors,
 )
 from lightning_parallel.dims import ParallelDims
-from lightning_parallel.parameter_kinds import groups_by_kind, then_by_kind
+from lightning_parallel.parameter_kinds import groups_by_kind, refuse_unsteppable, then_by_kind
 from lightning_parallel.precision import clip_grad_norm_global
 from lightning_parallel.rendezvous import bound_store, listen_address
-from lightning_parallel.seams import changed, finish_restored_epoch, fused_sgd_on_dtensor
+from lightning_parallel.seams import changed, finish_restored_epoch, fused_steps_on_dtensor
 from lightning_parallel.strategies.arguments import check_backend, check_timeout
 from lightning_parallel.strategies.mesh_precision import mesh_precision
 from lightning_parallel.strategies.peers import PeerFailure, check_nodes, stop_peers
@@ -156,8 +156,10 @@ class MeshStrategy(ParallelStrategy):
         self.on_device(trainer, module)
         self.barrier()
         if trainer.state.fn == "fit":
-            fused_sgd_on_dtensor()
+            fused_steps_on_dtensor()
             self.setup_optimizers(trainer)
+            for optimizer in self.optimizers:
+                refuse_unsteppable(optimizer)
         self.setup_precision_plugin()
 
     @abstractmethod
