@@ -33,6 +33,7 @@ def test_the_one_device_worker_itself_runs_on_cpu(tmp_path: Path) -> None:
     ]
     auto, tensor = run_workers("gpu_one_device", 1, configs, tmp_path, timeout=300)[0]
     assert auto["losses"] == tensor["losses"] and auto["moved"] > 0, (auto.get("error"), tensor.get("error"))
+    assert tensor["dtensors"] == 0  # degree 1 is plain: no one-rank DTensor dispatch in the step
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +55,7 @@ def test_each_strategy_trains_on_one_gpu_like_lightnings_own(one_device: dict[st
     gaps = [abs(a - b) for a, b in zip(run["losses"], auto["losses"], strict=True)]
     assert max(gaps) < tolerance * max(1.0, max(auto["losses"])), (name, gaps)
     assert all(math.isfinite(loss) for loss in run["losses"]) and run["moved"] > 0  # it stepped
+    assert run["dtensors"] == 0  # degree 1 is plain
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 """Worker (one process, one CUDA device): fit the tiny GPT once per payload entry under a strategy given by registry
 name, with bf16-mixed and torch's default AdamW (on CUDA tensors that is the foreach kernel); save each run's losses
-and final weights and how far they moved, or the one line it stopped with.
+and final weights, how far they moved and how many are DTensors, or the one line it stopped with.
 
 Payload: [{"strategy": registry name, e.g. "auto", "tensor", "pipeline", "ddp", "local_sgd", "diloco", "async_sgd",
 "precision": Lightning's precision, "steps", "accelerator"? ("gpu"; "cpu" checks the worker itself)}].
@@ -12,6 +12,7 @@ from functools import partial
 
 import lightning.pytorch as pl
 import torch
+from torch.distributed.tensor import DTensor
 from common import TINY_GPT, full_state, payload
 
 import lightning_parallel  # noqa: F401 - registers the strategies
@@ -46,7 +47,8 @@ def fit(config: dict) -> dict:
         return {"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
     end = full_state(task.model)
     moved = max((end[name].float().cpu() - start[name].float().cpu()).abs().max().item() for name in start)
-    return {"losses": recorder.history["train/loss"], "state": end, "moved": moved}
+    dtensors = sum(isinstance(p, DTensor) for p in task.model.parameters())
+    return {"losses": recorder.history["train/loss"], "state": end, "moved": moved, "dtensors": dtensors}
 
 
 configs, out = payload()
