@@ -134,3 +134,14 @@ def test_bad_pipeline_input_fails_before_launch(compose_cfg, case: str) -> None:
     with pytest.raises(ConfigError, match=expected) as error:
         build(cfg)
     assert "HINT" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_one_stage_runs_the_network_whole_like_one_device(tmp_path: Path) -> None:
+    """pp=1: no split, schedule or micro-batches; the same losses as strategy=single, and the summary says so."""
+    sweep = ["-m", "strategy=single,pipeline", "trainer.devices=1", "trainer.max_steps=3", "callbacks=none"]
+    result = run_cli(*sweep, "hydra.sweep.dir=sweep", cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    single, pipeline = (json.loads((tmp_path / "sweep" / job / "summary.json").read_text()) for job in ("0", "1"))
+    assert pipeline["parallel"]["pipelined"] is False and "schedule" not in pipeline["parallel"]
+    losses = [s["metrics"]["train/loss"]["history"] for s in (single, pipeline)]
+    assert losses[0] == losses[1] and len(losses[0]) > 0

@@ -33,7 +33,7 @@ from lightning_parallel.pipeline.tied import TiedGroup, broadcast_tied_values, c
 from lightning_parallel.replicas import average_
 from lightning_parallel.strategies.arguments import check_bool, check_choice, check_int, check_name, reject
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
-from lightning_parallel.strategies.pipeline_summary import describe_pipeline
+from lightning_parallel.strategies.pipeline_summary import describe_pipeline, describe_whole
 from lightning_parallel.strategies.stage_sharding import resolve_stage_plan, shard_over_replicas, shard_stage
 from lightning_parallel.strategies.tensor import check_plan_argument
 from lightning_parallel.strategies.user_step import (
@@ -139,6 +139,7 @@ class PipelineParallelStrategy(MeshStrategy):
         self._tied: list[TiedGroup] = []
         self._example: tuple[torch.Tensor, ...] | None = None
         self._runtime: PipelineRuntime | None = None
+        self._parallelized = False
         self._fresh_grads: list[torch.Tensor | None] | None = None
         self._local_params: list[nn.Parameter] | None = None
 
@@ -167,6 +168,12 @@ class PipelineParallelStrategy(MeshStrategy):
         return self._spec
 
     @property
+    def pipelined(self) -> bool:
+        """Whether a schedule runs. At one stage (pp=1) the network runs whole with the user's step unchanged: no
+        split, schedule or micro-batches, as on one device (a dimension of size 1 adds nothing to the step)."""
+        return self.dims.pp > 1
+
+    @property
     def partition(self) -> Partition:
         if self._partition is None:
             raise RuntimeError("the partition exists once the strategy is set up")
@@ -175,17 +182,19 @@ class PipelineParallelStrategy(MeshStrategy):
     @override
     def validate(self, module: pl.LightningModule, *, batch: Any = None) -> None:
         network = self.network_of(module)
-        if self._runtime is not None:
+        if self._parallelized:
             return  # already split (e.g. trainer.validate after fit): the pruned network would mislead
+        self.refuse_meta_outside(module, network)
+        if self.dims.tp > 1:
+            resolve_stage_plan(network, self.plan, self.dims.tp)
+        if not self.pipelined:
+            return
         if not module.automatic_optimization:
             raise ValueError(
                 f"{type(module).__name__} uses manual optimization; PipelineParallelStrategy runs forward and "
                 "backward together in its schedule inside training_step. HINT: use automatic optimization, or "
                 "strategy='ddp' / 'tensor'"
             )
-        self.refuse_meta_outside(module, network)
-        if self.dims.tp > 1:
-            resolve_stage_plan(network, self.plan, self.dims.tp)
         example = self._example_inputs(module, batch, "training_step")
         if example is None and not isinstance(network, nn.Sequential):
             return  # traced in setup, where the data module's first batch exists
@@ -253,9 +262,13 @@ class PipelineParallelStrategy(MeshStrategy):
 
     @override
     def parallelize(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        if self._runtime is not None:
+        if self._parallelized:
             return  # already split: later fit/validate calls reuse it
+        self._parallelized = True
         network = self.network_of(module)
+        if not self.pipelined:
+            self._place_whole(network)
+            return
         batch = None
         step = {"fit": "training_step", "validate": "validation_step", "test": "test_step"}
         # The network's inputs: to trace it, to time its blocks on (balance='time'), and for a Sequential, when the
@@ -285,6 +298,18 @@ class PipelineParallelStrategy(MeshStrategy):
         if self.deferred_batchnorm:
             self._batchnorms = defer_batchnorm(network)
 
+    def _place_whole(self, network: nn.Module) -> None:
+        """pp=1: the whole network on this rank, sharded over "tp" and over replicas (FSDP2) as a stage would be."""
+        if self.dims.tp > 1:
+            self._tensor_plan = resolve_stage_plan(network, self.plan, self.dims.tp)
+            mesh, group = self.device_mesh["tp"], self.group("tp")
+            self.setup_peak_parameter_bytes = shard_stage(network, self._tensor_plan[1], mesh, group, self.root_device)
+        else:
+            materialize(network, self.root_device)
+            self.setup_peak_parameter_bytes = parameter_bytes(network)
+        if self.replicas == "fsdp" and self.dims.dp > 1:
+            shard_over_replicas(network, self.device_mesh["dp"], self._tied)
+
     @override
     def on_device(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         network = self.network_of(module)
@@ -292,6 +317,10 @@ class PipelineParallelStrategy(MeshStrategy):
             for handle in self._gradient_hooks:
                 handle.remove()
             self._gradient_hooks = keep_gradients_sharded(network)
+        if not self.pipelined:
+            if self.global_rank == 0:
+                rank_zero_info(f"PipelineParallelStrategy: pp=1, the network runs whole; {self.describe_layout()}")
+            return
         if self._runtime is not None:
             return
         self._micro_steps = MicroSteps(module, network, self._user_step)
@@ -331,6 +360,8 @@ class PipelineParallelStrategy(MeshStrategy):
         )
 
     def describe_layout(self) -> str:
+        if not self.pipelined:
+            return f"dp={self.dims.dp} x pp=1 x tp={self.dims.tp}, no split, schedule or micro-batches"
         return (
             f"dp={self.dims.dp} x pp={self.dims.pp} x tp={self.dims.tp}, {len(self.partition.stages)} stages, "
             f"{self.microbatches_for(self.dims.pp)} micro-batches requested"
@@ -347,6 +378,8 @@ class PipelineParallelStrategy(MeshStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The user's training_step, unchanged: run up to its network call on every rank to learn the network's
         inputs, then per micro-batch on the last stage as the schedule's loss; its logs replayed everywhere."""
+        if not self.pipelined:
+            return super().training_step(*args, **kwargs)
         module = self.lightning_module
         assert module is not None
         network = self.network_of(module)
@@ -430,6 +463,8 @@ class PipelineParallelStrategy(MeshStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         # The schedule already ran backward inside training_step; put those gradients where autograd
         # would have, scaled like Lightning's loss / accumulate_grad_batches, and fire the hooks.
+        if not self.pipelined:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         scale = 1.0 / module.trainer.accumulate_grad_batches
@@ -470,6 +505,8 @@ class PipelineParallelStrategy(MeshStrategy):
 
     # ---- evaluation ----------------------------------------------------------------------------
     def _evaluating(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if not self.pipelined:
+            return step(*args, **kwargs)
         with swap_attribute(self.network_of(self.lightning_module), "forward", self._pipelined_forward):
             return step(*args, **kwargs)
 
@@ -489,12 +526,16 @@ class PipelineParallelStrategy(MeshStrategy):
     def rank_measurements(self) -> dict[str, Any]:
         """This rank's measured idle share and its last training step's compute events (RunSummary
         gathers them from every rank)."""
+        if not self.pipelined:
+            return {"idle_fraction": None, "events": []}
         timer = self.runtime.timer
         return {"idle_fraction": timer.idle_fraction, "events": timer.last_events}
 
     def describe(self) -> dict[str, Any]:
         """Partition, and the schedule, micro-batches and analytic bubble requested and actually run, for
         summary.json (see `pipeline_summary.describe_pipeline`)."""
+        if not self.pipelined:
+            return describe_whole(self.dims, replicas=self.replicas, tensor_plan=self._tensor_plan)
         return describe_pipeline(
             self.spec,
             self.partition,

@@ -40,15 +40,8 @@ def describe_pipeline(
         for u in sorted(used, key=lambda u: (not u.training, -u.batch_size))
     ]
     most = max((r for r in ran if r["mode"] == "train"), key=lambda r: r["batches"], default=None)
-    sharded: dict[str, Any] = {}
-    if tensor_plan is not None:
-        source, plan, replicated = tensor_plan
-        sharded = {
-            "plan_source": source,
-            "sharded": dict(plan),
-            **({"replicated_why": replicated} if replicated else {}),
-        }
     return {
+        "pipelined": True,
         **({key: most[key] for key in ("schedule", "microbatches", "bubble_fraction")} if most else {}),
         "requested": {
             "schedule": spec.name,
@@ -60,10 +53,32 @@ def describe_pipeline(
         "pipeline_size": dims.pp,
         "tensor_parallel_size": dims.tp,
         "replicas": replicas,
-        **sharded,
+        **_sharded(tensor_plan),
         "stages_per_rank": spec.stages_per_rank,
         "stages": [list(blocks) for blocks in partition.stages],
         "stage_to_rank": list(partition.stage_to_rank),
         "imbalance": partition.imbalance,
         "cost_unit": partition.cost_unit,
     }
+
+
+def describe_whole(
+    dims: ParallelDims, *, replicas: str, tensor_plan: tuple[str, dict[str, str], dict[str, str]] | None
+) -> dict[str, Any]:
+    """At pp=1 nothing is split and no schedule runs: the layout, and no schedule, micro-batches or bubble."""
+    return {
+        "pipelined": False,
+        "ran": [],
+        "data_parallel_size": dims.dp,
+        "pipeline_size": dims.pp,
+        "tensor_parallel_size": dims.tp,
+        "replicas": replicas,
+        **_sharded(tensor_plan),
+    }
+
+
+def _sharded(tensor_plan: tuple[str, dict[str, str], dict[str, str]] | None) -> dict[str, Any]:
+    if tensor_plan is None:
+        return {}
+    source, plan, replicated = tensor_plan
+    return {"plan_source": source, "sharded": dict(plan), **({"replicated_why": replicated} if replicated else {})}
