@@ -12,8 +12,8 @@ from functools import partial
 
 import lightning.pytorch as pl
 import torch
-from torch.distributed.tensor import DTensor
 from common import TINY_GPT, full_state, payload
+from torch.distributed.tensor import DTensor
 
 import lightning_parallel  # noqa: F401 - registers the strategies
 from lightning_parallel.callbacks import RunSummary
