@@ -54,6 +54,10 @@ CONSTRUCTOR = [
     (T, {"network_attr": 3}, "network_attr must be None or a non-empty string"),
     (T, {"timeout": -1}, "TensorParallelStrategy(timeout=-1): timeout must be a positive number"),
     (T, {"process_group_backend": "mpii"}, "process_group_backend must be None"),
+    (P, {"activation_checkpointing": "some"}, "activation_checkpointing must be one of none, full, selective"),
+    (T, {"activation_checkpointing": True}, "activation_checkpointing must be one of none, full, selective"),
+    (T, {"compile": "yes"}, "compile must be True, False or a dict of torch.compile arguments, got 'yes' (str)"),
+    (P, {"compile": 1}, "compile must be True, False or a dict of torch.compile arguments"),
 ]
 
 
@@ -77,6 +81,8 @@ def test_constructor_rejects_wrong_type_or_range(cls: type, kwargs: dict, expect
         (P, {"timeout": 2.5, "process_group_backend": "gloo"}),
         (T, {"tensor_parallel_size": 2, "data_parallel_size": None, "plan": {"fc*": "colwise"}}),
         (T, {"plan": "auto", "sequence_parallel": True, "timeout": 30}),
+        (T, {"activation_checkpointing": "selective", "compile": {"mode": "max-autotune"}}),
+        (P, {"activation_checkpointing": "full", "compile": True}),
     ],
 )
 def test_constructor_accepts_valid_arguments(cls: type, kwargs: dict) -> None:

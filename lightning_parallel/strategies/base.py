@@ -8,8 +8,9 @@ tensor plans; subclasses say how the world splits (`resolve_dims`) and what to c
 from __future__ import annotations
 
 import os
+import time
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
@@ -47,6 +48,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 from typing_extensions import override
 
+from lightning_parallel.blocks import (
+    ACTIVATION_CHECKPOINTING,
+    blocks_of,
+    checkpoint_activations,
+    compile_blocks,
+    refuse_unrepeatable,
+)
 from lightning_parallel.checkpoint import (
     META_FILE,
     MODEL_KEY,
@@ -62,7 +70,7 @@ from lightning_parallel.parameter_kinds import groups_by_kind, refuse_unsteppabl
 from lightning_parallel.precision import clip_grad_norm_global
 from lightning_parallel.rendezvous import bound_store, listen_address
 from lightning_parallel.seams import changed, finish_restored_epoch, fused_steps_on_dtensor
-from lightning_parallel.strategies.arguments import check_backend, check_timeout
+from lightning_parallel.strategies.arguments import check_backend, check_choice, check_timeout, reject
 from lightning_parallel.strategies.mesh_precision import mesh_precision
 from lightning_parallel.strategies.peers import PeerFailure, check_nodes, stop_peers
 
@@ -102,6 +110,10 @@ class MeshStrategy(ParallelStrategy):
     Args:
         timeout: how long a collective may wait before the run fails (seconds or a timedelta).
         process_group_backend: None picks gloo on CPU and nccl on GPU.
+        activation_checkpointing: per block (`blocks.ACTIVATION_CHECKPOINTING`): "none", "full" (recompute each
+            block's forward in backward) or "selective" (keep matmul, attention and convolution outputs).
+        compile: `torch.compile` each block after it is sharded and before replicas wrap it: True, or a dict of
+            `torch.compile` arguments (e.g. {"mode": "max-autotune"}); False for eager.
     """
 
     def __init__(
@@ -109,6 +121,8 @@ class MeshStrategy(ParallelStrategy):
         *,
         timeout: float | timedelta = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
+        activation_checkpointing: str = "none",
+        compile: bool | Mapping[str, Any] = False,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -122,6 +136,18 @@ class MeshStrategy(ParallelStrategy):
         )
         check_timeout(self, timeout)  # a negative one would only fail later, inside the launched processes
         check_backend(self, process_group_backend)
+        check_choice(
+            self, "activation_checkpointing", activation_checkpointing, ACTIVATION_CHECKPOINTING, example="full"
+        )
+        if not isinstance(compile, (bool, Mapping)):
+            reject(self, "compile", compile, "True, False or a dict of torch.compile arguments", "compile=True")
+        self.activation_checkpointing = activation_checkpointing
+        self.compile_options: dict[str, Any] | None = (
+            dict(compile) if isinstance(compile, Mapping) else ({} if compile else None)
+        )
+        self._set_up = False
+        self._first_step: dict[str, float] = {}  # compiled blocks, and the first step's seconds once it ran
+        self._first_step_started: float | None = None
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         self._process_group_backend = process_group_backend
         self._dims: ParallelDims | None = None
@@ -143,13 +169,20 @@ class MeshStrategy(ParallelStrategy):
     # ---- one set-up order; subclasses fill in how the network is split or sharded -------------------
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """accelerator -> `parallelize` (split/shard, subclasses) -> precision -> device -> `on_device`
-        (subclasses) -> optimizers. The same order for every mesh strategy, so composing them stays readable."""
+        """The set-up order of every mesh strategy, read top to bottom; a new feature adds a line here. Per block it
+        is torchtitan's: shard -> activation checkpointing -> compile -> replicas. A dimension of size 1 adds nothing.
+        A later fit/validate of the same model reuses the first set-up's network."""
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        self.parallelize(trainer, module)
+        if not self._set_up:
+            self.parallelize(trainer, module)  # split into stages and/or shard over "tp" (subclasses)
+            blocks = blocks_of(self.network_of(module))  # this rank's blocks, sharded
+            checkpoint_activations(blocks, self.activation_checkpointing)
+            self._first_step["compiled_blocks"] = compile_blocks(blocks, self.compile_options)
+            self.replicate(trainer, module)  # FSDP2 over "dp", or nothing (subclasses)
+            self._set_up = True
         self.precision_plugin = mesh_precision(self.precision_plugin, self)
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
@@ -166,6 +199,32 @@ class MeshStrategy(ParallelStrategy):
     def parallelize(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         """Split or shard the network (first set-up of a model only; a later fit/validate reuses it)."""
 
+    @abstractmethod
+    def network_of(self, module: pl.LightningModule) -> nn.Module:
+        """The LightningModule's network (on a pipeline rank: pruned to its own stages' blocks)."""
+
+    def replicate(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        """Keep data-parallel replicas in sync by wrapping blocks (FSDP2), after they are sharded and compiled."""
+
+    def check_block_options(self, network: nn.Module) -> None:
+        """Before launch: what activation checkpointing cannot repeat exactly is refused (`blocks.py`)."""
+        refuse_unrepeatable(network, self.activation_checkpointing)
+
+    def describe_blocks(self) -> dict[str, Any]:
+        """For summary.json: the per-block options and, when compiled, the first step's time (which carries the
+        compilation: compare it with the later steps' `step_time_s`)."""
+        return {
+            "activation_checkpointing": self.activation_checkpointing,
+            "compile": self.compile_options is not None,
+            **self._first_step,
+        }
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.compile_options is not None and self._first_step_started is None:
+            self._first_step_started = time.perf_counter()
+        super().on_train_batch_start(batch, batch_idx)
+
     def on_device(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         """What needs the network converted and on its device (runtimes, gradient hooks, the start line)."""
 
@@ -174,7 +233,10 @@ class MeshStrategy(ParallelStrategy):
         # foreach and fused kernels (CUDA's default) take one kind of parameter per call: the update, and only it,
         # runs each param group one kind at a time (`parameter_kinds.py`)
         with ExitStack() as stack:
-            return super().optimizer_step(optimizer, then_by_kind(closure, optimizer, stack), model, **kwargs)
+            result = super().optimizer_step(optimizer, then_by_kind(closure, optimizer, stack), model, **kwargs)
+        if self._first_step_started is not None and "first_step_s" not in self._first_step:
+            self._first_step["first_step_s"] = time.perf_counter() - self._first_step_started
+        return result
 
     def clip_norm_over_mesh(self, parameters: list[nn.Parameter], max_norm: float) -> None:
         """Clip this rank's `parameters` by one norm over the whole model, as one process would. DTensor

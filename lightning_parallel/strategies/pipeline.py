@@ -184,6 +184,9 @@ class PipelineParallelStrategy(MeshStrategy):
         network = self.network_of(module)
         if self._parallelized:
             return  # already split (e.g. trainer.validate after fit): the pruned network would mislead
+        self.check_block_options(network)
+        if self.pipelined and not isinstance(network, nn.Sequential):
+            self.refuse_block_options_when_traced(network)
         self.refuse_meta_outside(module, network)
         if self.dims.tp > 1:
             resolve_stage_plan(network, self.plan, self.dims.tp)
@@ -204,6 +207,24 @@ class PipelineParallelStrategy(MeshStrategy):
 
     def network_of(self, module: pl.LightningModule) -> nn.Module:
         return self.find_network(module, nn.Module, "pipeline parallelism needs the network as an nn.Module")
+
+    def refuse_block_options_when_traced(self, network: nn.Module) -> None:
+        """Stages traced from a custom forward run torch.fx graphs, not the blocks' own forwards, so per-block
+        compile and activation checkpointing cannot reach them yet."""
+        asked = [
+            f"{name}={value!r}"
+            for name, value, off in (
+                ("activation_checkpointing", self.activation_checkpointing, "none"),
+                ("compile", self.compile_options is not None, False),
+            )
+            if value != off
+        ]
+        if asked:
+            raise ValueError(
+                f"{', '.join(asked)} is not supported yet for {type(network).__name__}, which is split into "
+                f"{self.dims.pp} stages by tracing (it is not an nn.Sequential). HINT: write the network as an "
+                "nn.Sequential of blocks, or use pipeline_parallel_size=1 / strategy='tensor'"
+            )
 
     def _example_inputs(self, module: pl.LightningModule, batch: Any, step: str) -> tuple[torch.Tensor, ...] | None:
         """What the network receives: from `example_input_array` through forward, else from `batch` through
@@ -262,8 +283,6 @@ class PipelineParallelStrategy(MeshStrategy):
 
     @override
     def parallelize(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        if self._parallelized:
-            return  # already split: later fit/validate calls reuse it
         self._parallelized = True
         network = self.network_of(module)
         if not self.pipelined:
@@ -293,13 +312,17 @@ class PipelineParallelStrategy(MeshStrategy):
             mesh, group = self.device_mesh["tp"], self.group("tp")
             self.setup_peak_parameter_bytes = shard_stage(network, self._tensor_plan[1], mesh, group, self.root_device)
         broadcast_tied_values(network, self._tied, self.group("pp"))
+
+    @override
+    def replicate(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        network = self.network_of(module)
         if self.replicas == "fsdp" and self.dims.dp > 1:
             shard_over_replicas(network, self.device_mesh["dp"], self._tied)
-        if self.deferred_batchnorm:
+        if self.deferred_batchnorm and self.pipelined:
             self._batchnorms = defer_batchnorm(network)
 
     def _place_whole(self, network: nn.Module) -> None:
-        """pp=1: the whole network on this rank, sharded over "tp" and over replicas (FSDP2) as a stage would be."""
+        """pp=1: the whole network on this rank, sharded over "tp" as a stage would be."""
         if self.dims.tp > 1:
             self._tensor_plan = resolve_stage_plan(network, self.plan, self.dims.tp)
             mesh, group = self.device_mesh["tp"], self.group("tp")
@@ -307,8 +330,6 @@ class PipelineParallelStrategy(MeshStrategy):
         else:
             materialize(network, self.root_device)
             self.setup_peak_parameter_bytes = parameter_bytes(network)
-        if self.replicas == "fsdp" and self.dims.dp > 1:
-            shard_over_replicas(network, self.device_mesh["dp"], self._tied)
 
     @override
     def on_device(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -535,7 +556,11 @@ class PipelineParallelStrategy(MeshStrategy):
         """Partition, and the schedule, micro-batches and analytic bubble requested and actually run, for
         summary.json (see `pipeline_summary.describe_pipeline`)."""
         if not self.pipelined:
-            return describe_whole(self.dims, replicas=self.replicas, tensor_plan=self._tensor_plan)
+            whole = describe_whole(self.dims, replicas=self.replicas, tensor_plan=self._tensor_plan)
+            return {**whole, **self.describe_blocks()}
+        return {**self._describe_pipeline(), **self.describe_blocks()}
+
+    def _describe_pipeline(self) -> dict[str, Any]:
         return describe_pipeline(
             self.spec,
             self.partition,

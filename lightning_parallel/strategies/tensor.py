@@ -86,6 +86,7 @@ class TensorParallelStrategy(MeshStrategy):
         self.sequence_parallel = sequence_parallel
         self.network_attr = network_attr
         self._description: dict[str, Any] | None = None
+        self._sharded: tuple[str, dict[str, str], dict[str, str]] = ("", {}, {})
         self._gradient_hooks: list[RemovableHandle] = []
 
     # ---- sizes and validation (main process, before launch) -------------------------------------
@@ -96,6 +97,8 @@ class TensorParallelStrategy(MeshStrategy):
     @override
     def validate(self, module: pl.LightningModule, *, batch: Any = None) -> None:
         network = self.network_of(module)
+        if self._description is None:
+            self.check_block_options(network)
         if self._description is None and not is_overridden("configure_model", module):
             self.refuse_meta_outside(module, network)
             self.resolve_plan(network)
@@ -134,9 +137,14 @@ class TensorParallelStrategy(MeshStrategy):
 
     @override
     def parallelize(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        if self._description is not None:
-            return  # already sharded: later fit/validate calls reuse it
-        self._description = self._parallelize(module, self.network_of(module))
+        self._sharded = self._shard(module, self.network_of(module))
+
+    @override
+    def replicate(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        network = self.network_of(module)
+        if self.dims.dp > 1:
+            self._shard_over_replicas(module, network)
+        self._description = self._describe(*self._sharded, network)
         if self.global_rank == 0:
             d = self._description
             rank_zero_info(
@@ -153,7 +161,8 @@ class TensorParallelStrategy(MeshStrategy):
             handle.remove()
         self._gradient_hooks = keep_gradients_sharded(self.network_of(module))
 
-    def _parallelize(self, module: pl.LightningModule, network: nn.Module) -> dict[str, Any]:
+    def _shard(self, module: pl.LightningModule, network: nn.Module) -> tuple[str, dict[str, str], dict[str, str]]:
+        """(plan source, the plan, why each unplanned module stays whole), with the planned layers sharded."""
         replicated_why: dict[str, str] = {}
         plan: dict[str, str] = {}
         if is_overridden("configure_model", module):
@@ -174,9 +183,7 @@ class TensorParallelStrategy(MeshStrategy):
             # step on a GPU: the network stays plain, as on one device.
             applied = list(plan) if self.dims.tp > 1 else []
             self.setup_peak_parameter_bytes = materialize_in_parts(network, self.root_device, applied, shard)
-        if self.dims.dp > 1:
-            self._shard_over_replicas(module, network)
-        return self._describe(source, plan, replicated_why, network)
+        return source, plan, replicated_why
 
     def _shard_over_replicas(self, module: pl.LightningModule, network: nn.Module) -> None:
         """FSDP2 over "dp" (per child of the network, then the network) unless configure_model() already did it."""
@@ -227,7 +234,7 @@ class TensorParallelStrategy(MeshStrategy):
         """Plan applied (modules sharded / replicated) and parameter bytes per rank, for summary.json."""
         if self._description is None:
             raise RuntimeError("TensorParallelStrategy.describe() has something to say once the strategy is set up")
-        return dict(self._description)
+        return {**self._description, **self.describe_blocks()}
 
     # ---- the step ------------------------------------------------------------------------------
     @override
