@@ -86,8 +86,10 @@ def load_file(source: str | os.PathLike | IO[bytes], *, weights_only: bool, mmap
     try:
         return torch.load(source, map_location="cpu", mmap=mmap or None, weights_only=weights_only)
     except pickle.UnpicklingError as error:
+        if not weights_only:
+            raise
         names = _unsafe_globals(source) or re.findall(r"GLOBAL (\S+)", str(error))
-        if weights_only and names:
+        if names:
             raise UntrustedCheckpoint(name or str(source), names) from None
         raise
 
