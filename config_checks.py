@@ -86,6 +86,12 @@ def check_config(cfg: DictConfig) -> None:
     """Reject configurations that cannot work, before anything is built or launched."""
     check_integers(cfg)
     check_numbers(cfg)
+    trust = cfg.get("ckpt_weights_only")
+    if not isinstance(trust, bool):  # a string "false" would read as trusting nothing, or everything
+        raise ConfigError(
+            f"ckpt_weights_only={trust} must be true or false. HINT: ckpt_weights_only=true (false only for a "
+            "checkpoint you trust)"
+        )
     devices = cfg.trainer.devices
     if isinstance(devices, int) and devices < 1 and devices != -1:
         raise ConfigError(f"trainer.devices={devices}: a run needs at least one device. HINT: trainer.devices=1")

@@ -42,6 +42,7 @@ from lightning_parallel.callbacks import ExactResume, RunSummary
 from lightning_parallel.checkpoint import check_matches
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.tasks import ClassificationTask, LanguageModelTask, Task
+from lightning_parallel.unpickling import UntrustedCheckpoint
 
 __all__ = ["ConfigError", "build", "build_model", "build_strategy", "check_config", "hydra_error_line", "train"]
 
@@ -107,9 +108,11 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, Task, pl.LightningDataModule, Ru
             validate(task)
         resume_from = resolve_checkpoint(cfg)
         if resume_from is not None:
-            check_matches(resume_from, task)
+            check_matches(resume_from, task, weights_only=cfg.ckpt_weights_only)
     except ConfigError:
         raise
+    except UntrustedCheckpoint as error:
+        raise ConfigError(error.line("ckpt_weights_only=false")) from error
     except MissingMandatoryValue as error:
         key = error.full_key
         raise ConfigError(f"{key} has no value. HINT: set it on the command line, e.g. {key}=...") from error
@@ -126,7 +129,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     parameters = sum(p.numel() for p in task.model.parameters())  # before a strategy splits the model
     environment = dict(os.environ)
     try:
-        trainer.fit(task, datamodule=data, ckpt_path=resume_from)
+        trainer.fit(task, datamodule=data, ckpt_path=resume_from, weights_only=cfg.ckpt_weights_only)
     finally:
         # Lightning leaves the process group and its launcher's variables (LOCAL_RANK, MASTER_PORT, ...)
         # behind; the next job of a sweep must launch its own processes and start its own group.

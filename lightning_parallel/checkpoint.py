@@ -3,7 +3,8 @@ names, so a checkpoint written by any layout loads into any other, or into one p
 
 A checkpoint is a directory: DCP's shard files for the model and optimizer state, plus `meta.pt` with
 everything else Lightning saves (loops, callbacks, epoch). This module reads and writes; the strategy
-decides who writes what and when (see strategies/base.py).
+decides who writes what and when (see strategies/base.py). Every read runs no code from the files unless the
+caller passes `weights_only=False` for a checkpoint it trusts (see unpickling.py).
 
 Export to one file: `python -m lightning_parallel.checkpoint export CHECKPOINT_DIR OUT.ckpt`
 """
@@ -20,8 +21,17 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from lightning_parallel.unpickling import (
+    METADATA_FILE,
+    CheckedLoadPlanner,
+    CheckedReader,
+    UntrustedCheckpoint,
+    load_file,
+    read_metadata,
+)
 
 META_FILE = "meta.pt"
 MODEL_KEY = "state_dict"
@@ -74,17 +84,19 @@ def recover(folder: str | os.PathLike) -> None:
         remove(partial)
 
 
-def check_complete(path: Path) -> None:
+def check_complete(path: Path, *, weights_only: bool = True) -> None:
     """Every shard file DCP's metadata names is present and long enough, and `meta.pt` reads; one line naming
     the missing or short file otherwise (a copy cut short, a deleted shard), before anything loads."""
     hint = "HINT: resume from an earlier checkpoint of the run, or copy this one again"
     try:
-        storage = FileSystemReader(str(path)).read_metadata().storage_data
+        storage = read_metadata(path, weights_only=weights_only).storage_data
     except FileNotFoundError:
-        raise ValueError(f"checkpoint {path} is incomplete: .metadata is missing. {hint}") from None
-    except Exception as error:  # torch raises several types for a truncated pickle
+        raise ValueError(f"checkpoint {path} is incomplete: {METADATA_FILE} is missing. {hint}") from None
+    except UntrustedCheckpoint:
+        raise
+    except Exception as error:  # a truncated pickle raises several types
         raise ValueError(
-            f"checkpoint {path} is damaged: .metadata does not read ({type(error).__name__}). {hint}"
+            f"checkpoint {path} is damaged: {METADATA_FILE} does not read ({type(error).__name__}). {hint}"
         ) from None
     needed: dict[str, int] = {}
     for info in storage.values():
@@ -100,9 +112,10 @@ def check_complete(path: Path) -> None:
             )
 
 
-def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+def read_meta(path: str | os.PathLike, *, weights_only: bool = True) -> dict[str, Any]:
+    """Everything but the tensors (`meta.pt`), after checking that the directory is a whole sharded checkpoint."""
     path = Path(path)
-    if path.is_dir() and (path / ".metadata").is_file() and not (path / META_FILE).is_file():
+    if path.is_dir() and (path / METADATA_FILE).is_file() and not (path / META_FILE).is_file():
         raise ValueError(
             f"checkpoint {path} is incomplete: {META_FILE} is missing (the save was cut short). HINT: resume "
             "from an earlier checkpoint of the run"
@@ -112,9 +125,11 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
             f"{path} is not a sharded checkpoint (no {META_FILE} inside). HINT: pass the directory a "
             "lightning_parallel strategy saved, e.g. <run>/checkpoints/last.ckpt"
         )
-    check_complete(path)
+    check_complete(path, weights_only=weights_only)
     try:
-        return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+        return load_file(path / META_FILE, weights_only=weights_only)
+    except UntrustedCheckpoint:
+        raise
     except Exception as error:  # a truncated pickle raises EOFError, RuntimeError or UnpicklingError
         raise ValueError(
             f"checkpoint {path} is damaged: {META_FILE} does not read ({type(error).__name__}). HINT: resume "
@@ -122,15 +137,17 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
         ) from None
 
 
-def saved_tensors(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+def saved_tensors(path: str | os.PathLike, *, weights_only: bool = True) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the model tensors in a checkpoint (a sharded directory, or one Lightning file),
     read from DCP's metadata or a memory-mapped load, without reading the values."""
     path = Path(path)
     if path.is_dir():
-        read_meta(path)
-        return sharded_tensors(path)
+        read_meta(path, weights_only=weights_only)
+        return sharded_tensors(path, weights_only=weights_only)
     try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        checkpoint = load_file(path, weights_only=weights_only, mmap=True)
+    except UntrustedCheckpoint:
+        raise
     except Exception as error:  # torch raises several types for a file that is not a checkpoint
         raise ValueError(
             f"{path} is not a checkpoint torch can read ({type(error).__name__}). HINT: pass a .ckpt a run saved"
@@ -143,18 +160,18 @@ def saved_tensors(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def sharded_tensors(path: Path) -> dict[str, tuple[int, ...]]:
+def sharded_tensors(path: Path, *, weights_only: bool = True) -> dict[str, tuple[int, ...]]:
     """Names and global shapes of the model tensors in a sharded checkpoint already checked by `read_meta`."""
-    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = read_metadata(path, weights_only=weights_only).state_dict_metadata
     prefix = MODEL_KEY + "."
     return {k[len(prefix) :]: tuple(v.size) for k, v in metadata.items() if k.startswith(prefix) and hasattr(v, "size")}
 
 
-def check_matches(path: str | os.PathLike, module: nn.Module) -> None:
+def check_matches(path: str | os.PathLike, module: nn.Module, *, weights_only: bool = True) -> None:
     """Before launch: the checkpoint holds exactly this module's tensors, with the same shapes (works on a
     meta-device module); one line naming the first differences otherwise."""
     expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    compare_tensors(path, saved_tensors(path), expected, whole=True)
+    compare_tensors(path, saved_tensors(path, weights_only=weights_only), expected, whole=True)
 
 
 def compare_tensors(
@@ -179,28 +196,59 @@ def compare_tensors(
         )
 
 
-def load_module(module: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> None:
+def load_module(module: nn.Module, path: str | os.PathLike, *, strict: bool = True, weights_only: bool = True) -> None:
     """Load a sharded checkpoint's model weights into one plain, whole module (no process group needed).
 
     `module` is what the strategy saved: the LightningModule (keys like `model.block_0.attn.q.weight`).
     """
-    read_meta(path)  # clear error for a wrong path
+    read_meta(path, weights_only=weights_only)  # clear error for a wrong path
     state = {MODEL_KEY: module.state_dict()}
-    dcp.load(state, checkpoint_id=str(path))
+    load_shards(state, path, weights_only=weights_only)
     module.load_state_dict(state[MODEL_KEY], strict=strict)
 
 
-def export(path: str | os.PathLike, out: str | os.PathLike) -> Path:
+def load_shards(state: dict[str, Any], path: str | os.PathLike, *, weights_only: bool = True) -> None:
+    """`dcp.load(state, path)` in place, reading `.metadata` and the non-tensor entries without running code from
+    them (DCP's own reader and planner unpickle both in full)."""
+    reader = CheckedReader(path, weights_only=weights_only)
+    try:
+        dcp.load(state, storage_reader=reader, planner=CheckedLoadPlanner(path, weights_only=weights_only))
+    except CheckpointException as error:  # DCP gathers every rank's errors into this one
+        refused = [found for found, _ in error.failures.values() if isinstance(found, UntrustedCheckpoint)]
+        if refused:
+            raise refused[0] from None
+        raise
+
+
+def whole_state(path: str | os.PathLike, *, weights_only: bool = True) -> dict[str, Any]:
+    """Everything a sharded checkpoint's shards hold, as whole tensors in their saved nesting (`state_dict`,
+    `optimizer_0`, ...), built from its metadata (what `dcp_to_torch_save` does, with checked reads)."""
+    metadata = read_metadata(path, weights_only=weights_only)
+    state: dict[str, Any] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        value = torch.empty(item.size, dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
+        *parents, last = (metadata.planner_data or {}).get(key, (key,))  # our saves nest by name: dicts only
+        node = state
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    load_shards(state, path, weights_only=weights_only)
+    return state
+
+
+def export(path: str | os.PathLike, out: str | os.PathLike, *, weights_only: bool = True) -> Path:
     """Write a sharded checkpoint as one ordinary `torch.save` file with the full `state_dict`."""
-    meta = read_meta(path)
+    meta = read_meta(path, weights_only=weights_only)
+    merged = {**meta, **whole_state(path, weights_only=weights_only)}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
-    dcp_to_torch_save(path, tmp)
-    merged = {**meta, **torch.load(tmp, map_location="cpu", weights_only=False)}
     torch.save(merged, tmp)
     os.replace(tmp, out)
     return out
+
+
+TRUSTED_HELP = "read a checkpoint you trust even if loading it can run code from it (weights_only=False)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,9 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     exporter = commands.add_parser("export", help="write a sharded checkpoint directory as one file")
     exporter.add_argument("checkpoint", help="the checkpoint directory (e.g. <run>/checkpoints/last.ckpt)")
     exporter.add_argument("out", help="the single file to write")
+    exporter.add_argument("--trusted", action="store_true", help=TRUSTED_HELP)
     args = parser.parse_args(argv)
     try:
-        written = export(args.checkpoint, args.out)
+        written = export(args.checkpoint, args.out, weights_only=not args.trusted)
+    except UntrustedCheckpoint as error:
+        print(f"error: {error.line('--trusted')}", file=sys.stderr)
+        return 2
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -131,3 +131,25 @@ def finish_restored_epoch(trainer: Any) -> None:
     total = loop.epoch_progress.total
     if loop.restarted_mid_epoch and total.completed == total.ready:
         loop.reset_restart_stage()
+
+
+def fit_weights_only() -> bool | None:
+    """The `weights_only` given to the running `Trainer.fit` (or validate, test, predict), None outside one.
+
+    Lightning 2.6.6's `Trainer._run` hands it to `Strategy.load_checkpoint` only for strategies that restore before
+    setup; the mesh strategies restore after it and are called with None, so a user's `weights_only=False` for a
+    trusted checkpoint would be lost. It is read from `_run`'s frame, which is on the stack while it loads.
+    """
+    from lightning.pytorch import Trainer
+
+    why = "honour trainer.fit(weights_only=...) under the mesh strategies"
+    run = getattr(Trainer, "_run", None)
+    code = getattr(run, "__code__", None)
+    if code is None or "weights_only" not in inspect.signature(run).parameters:  # type: ignore[arg-type]
+        raise changed("lightning", "Trainer._run(model, ckpt_path, weights_only)", why)
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code is code:
+            return frame.f_locals["weights_only"]
+        frame = frame.f_back
+    return None

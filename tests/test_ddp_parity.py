@@ -33,7 +33,7 @@ def run(tmp_path: Path, name: str, *overrides: str) -> tuple[list[float], dict[s
     result = run_cli(*COMMON, *overrides, f"hydra.run.dir={out}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    state = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    state = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
     return summary["metrics"]["train/loss"]["history"], state
 
 

@@ -96,7 +96,7 @@ def final_state(run: Path) -> tuple[list[float], dict[str, torch.Tensor], dict[s
     (checkpoint,) = run.rglob("*.ckpt")
     if checkpoint.is_dir():  # a mesh strategy's sharded checkpoint
         checkpoint = export(checkpoint, run / "whole.pt")
-    weights = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    weights = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
     return summary["metrics"]["train/loss"]["history"], weights, summary
 
 

@@ -59,6 +59,7 @@ from lightning_parallel.checkpoint import (
     META_FILE,
     MODEL_KEY,
     compare_tensors,
+    load_shards,
     partial_path,
     read_meta,
     recover,
@@ -69,7 +70,7 @@ from lightning_parallel.dims import ParallelDims
 from lightning_parallel.parameter_kinds import groups_by_kind, refuse_unsteppable, then_by_kind
 from lightning_parallel.precision import clip_grad_norm_global
 from lightning_parallel.rendezvous import bound_store, listen_address
-from lightning_parallel.seams import changed, finish_restored_epoch, fused_steps_on_dtensor
+from lightning_parallel.seams import changed, finish_restored_epoch, fit_weights_only, fused_steps_on_dtensor
 from lightning_parallel.strategies.arguments import check_backend, check_choice, check_timeout, reject
 from lightning_parallel.strategies.mesh_precision import mesh_precision
 from lightning_parallel.strategies.peers import PeerFailure, check_nodes, stop_peers
@@ -546,17 +547,22 @@ class MeshStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the model and optimizer shards in place and return the rest. Nothing in the files runs as code unless
+        `trainer.fit(..., weights_only=False)` says the checkpoint is trusted (None means True, as in torch)."""
         module = self.lightning_module
         assert module is not None
+        if weights_only is None:
+            weights_only = fit_weights_only()  # Lightning 2.6 does not pass it to strategies that restore after setup
+        trusted = weights_only is False
         path = Path(self.broadcast(str(checkpoint_path)))
-        meta = read_meta(path)
+        meta = read_meta(path, weights_only=not trusted)
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(module)}
         for i, optimizer in enumerate(optimizers):
             state[f"optimizer_{i}"] = optimizer_state_dict(module, optimizer)
         expected = {k: tuple(v.shape) for k, v in state[MODEL_KEY].items()}  # this rank's part, global shapes
-        compare_tensors(path, sharded_tensors(path), expected, whole=False)
-        dcp.load(state, checkpoint_id=str(path))
+        compare_tensors(path, sharded_tensors(path, weights_only=not trusted), expected, whole=False)
+        load_shards(state, path, weights_only=not trusted)
         set_model_state_dict(module, state[MODEL_KEY], options=StateDictOptions(strict=module.strict_loading))
         for i, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(module, optimizer, state[f"optimizer_{i}"], options=OPTIMIZER_OPTIONS)
