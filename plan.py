@@ -93,6 +93,7 @@ def make_plan(cfg: DictConfig) -> Plan:
         hardware=hardware,
         precision=str(cfg.precision),
         optimizer_states=cfg.optimizer_states,
+        activation_checkpointing=str(cfg.activation_checkpointing),
         schedules=list(cfg.schedules) if cfg.schedules is not None else None,
         allow=(lambda layout: runnable(layout, cuda=cuda)) if cfg.runnable_only else None,
         global_batch=global_batch,
@@ -115,15 +116,20 @@ def report(result: Plan, top: int) -> str:
     ]
     best_here = next((e for e in result.estimates if e.fits and runnable(e.layout, cuda=cuda)), None)
     if best_here is not None:
-        command = train_command(best_here.layout, result.global_batch, cuda=cuda)
+        checkpointing = result.activation_checkpointing
+        command = train_command(
+            best_here.layout, result.global_batch, cuda=cuda, activation_checkpointing=checkpointing
+        )
         lines.append(f"Best layout train.py runs: {describe(best_here.layout)} -> {command}")
     return "\n".join(lines)
 
 
-def train_command(layout: Layout, global_batch: int | None, *, cuda: bool) -> str:
+def train_command(
+    layout: Layout, global_batch: int | None, *, cuda: bool, activation_checkpointing: str = "none"
+) -> str:
     """`python train.py ...` for a layout the strategies run; with replicas, each gets its share of `global_batch`
     (train.py's data.batch_size is per replica)."""
-    overrides = train_overrides(layout, cuda=cuda) or []
+    overrides = train_overrides(layout, cuda=cuda, activation_checkpointing=activation_checkpointing) or []
     if global_batch is not None and layout.dp > 1:
         overrides.append(f"data.batch_size={global_batch // layout.dp}")
     return " ".join(["python train.py", *overrides])

@@ -47,6 +47,18 @@ def blocks_of(network: nn.Module) -> list[nn.Module]:
     return [child for child in network.children() if next(child.parameters(), None) is not None]
 
 
+def repeated_kinds(network: nn.Module) -> frozenset[type]:
+    """The block classes activation checkpointing applies to: those that occur more than once among the whole
+    network's blocks (a transformer's layers, a ResNet's residual blocks), as torchtitan and Lightning's FSDP policy
+    pick the layer class; every block's class when none repeats. An embedding or LM head left out gains little and,
+    under `selective`, would keep its logits."""
+    counts: dict[type, int] = {}
+    for block in blocks_of(network):
+        counts[type(block)] = counts.get(type(block), 0) + 1
+    chosen = frozenset(kind for kind, count in counts.items() if count > 1)
+    return chosen or frozenset(counts)
+
+
 def refuse_unrepeatable(network: nn.Module, activation_checkpointing: str) -> None:
     """Checkpointing runs a block's forward twice; a BatchNorm that tracks running statistics would update them
     twice per step, so such networks are refused in one line rather than trained on other statistics."""

@@ -125,8 +125,8 @@ def test_gpt_closed_form_matches_meta_analysis() -> None:
     formula = gpt_workload(depth=4, width=64, heads=4, vocab_size=64, seq_len=32)
     assert formula.tp_modulus == measured.tp_modulus
     for got, want in zip(measured.blocks, formula.blocks, strict=True):
-        assert (got.name, got.params, got.tp_params, got.flops, got.tp_flops, got.output) == (
-            want.name, want.params, want.tp_params, want.flops, want.tp_flops, want.output
+        assert (got.name, got.kind, got.params, got.tp_params, got.flops, got.tp_flops, got.output) == (
+            want.name, want.kind, want.params, want.tp_params, want.flops, want.tp_flops, want.output
         )  # fmt: skip
         assert [kind for kind, _ in got.collectives] == [kind for kind, _ in want.collectives]
         assert got.activations == pytest.approx(want.activations, rel=0.35, abs=64)
@@ -143,6 +143,52 @@ def test_data_parallel_sharding_divides_states_and_activations_follow_the_schedu
     one_f_one_b = model.estimate(Layout(dp=1, pp=4, schedule="1f1b", microbatches=8), batch=8)
     assert gpipe.memory["activations"] > 1.5 * one_f_one_b.memory["activations"]  # 8 micro-batches held, not 4
     assert gpipe.bubble_fraction == one_f_one_b.bubble_fraction == analytic_bubble("1f1b", pp=4, microbatches=8)
+
+
+def test_activation_checkpointing_keeps_less_and_full_recomputes_the_forward() -> None:
+    workload = gpt_workload(depth=8, width=256, heads=8, vocab_size=512, seq_len=128)
+    layouts = [Layout(dp=1), Layout(dp=1, pp=2, schedule="1f1b", microbatches=4), Layout(dp=1, tp=2)]
+    for layout in layouts:
+        by_mode = {
+            mode: CostModel(workload, H100, precision="bf16-mixed", activation_checkpointing=mode).estimate(
+                layout, batch=8
+            )
+            for mode in ("none", "full", "selective")
+        }
+        activations = {mode: e.memory["activations"] for mode, e in by_mode.items()}
+        assert activations["full"] < activations["selective"] < activations["none"], (layout, activations)
+        assert by_mode["full"].time["compute"] == pytest.approx(by_mode["none"].time["compute"] * 4 / 3, rel=0.02)
+        assert by_mode["selective"].time["compute"] == by_mode["none"].time["compute"]
+    with pytest.raises(ValueError, match="activation_checkpointing='some' is unknown. HINT: one of none, full"):
+        CostModel(workload, H100, activation_checkpointing="some")
+
+
+def test_checkpointing_skips_the_blocks_that_do_not_repeat_as_the_strategies_do() -> None:
+    from lightning_parallel.blocks import repeated_kinds
+    from lightning_parallel.planner.checkpointing import checkpointed_kinds
+
+    network = small_gpt()
+    workload = workload_from_module(network, torch.zeros(2, 32, dtype=torch.long))
+    assert checkpointed_kinds(workload.blocks) == {kind.__name__ for kind in repeated_kinds(network)} == {"Block"}
+    full = CostModel(workload, H100, activation_checkpointing="full").estimate(Layout(dp=1), batch=2)
+    none = CostModel(workload, H100).estimate(Layout(dp=1), batch=2)
+    assert full.memory["activations"] < none.memory["activations"]
+
+
+def test_a_data_parallel_layout_with_checkpointing_runs_on_a_mesh_strategy_at_degree_1() -> None:
+    checkpointed = {"activation_checkpointing": "full"}
+    assert train_overrides(Layout(dp=2), cuda=False, **checkpointed) == [
+        "strategy=pipeline",
+        "trainer.devices=2",
+        "strategy.pipeline_parallel_size=1",
+        "strategy.data_parallel_size=2",
+        "strategy.activation_checkpointing=full",
+    ]
+    assert train_overrides(Layout(dp=2, dp_shard=True), cuda=True, **checkpointed)[:3] == [
+        "strategy=tensor",
+        "trainer.devices=2",
+        "strategy.tensor_parallel_size=1",
+    ]
 
 
 # ---- schedules ---------------------------------------------------------------------------------------------------

@@ -99,6 +99,7 @@ def _analyse_block(
     forward_flops, sharded_flops = tracker.flops(forward.get_flop_counts(), type(block).__name__)
     flops = forward_flops + backward.get_total_flops()
     figures = {
+        "kind": type(block).__name__,
         "params": sum(p.numel() for p in params),
         "tp_params": tracker.sharded_params(),
         "flops": flops / batch,

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from lightning_parallel.pipeline.partition import split_by_cost
 from lightning_parallel.pipeline.schedule_plan import resolve_schedule
+from lightning_parallel.planner.checkpointing import MODES as CHECKPOINTING
+from lightning_parallel.planner.checkpointing import checkpointed_kinds, kept_and_rematerialised, recompute_factor
 from lightning_parallel.planner.hardware import Hardware, precision_bytes
 from lightning_parallel.planner.schedule_costs import schedule_cost
 from lightning_parallel.planner.workload import Workload
@@ -113,6 +115,7 @@ class _Rank:
     comm_fixed: float
     comm_per_sample: float
     activations: float  # bytes saved per sample over all its stages
+    rematerialised: float  # bytes per sample one checkpointed block rebuilds during its backward (the largest)
     blocks: int
 
 
@@ -124,13 +127,27 @@ class CostModel:
         hardware: The devices and network.
         precision: A Lightning precision name (bytes per parameter, gradient, state, activation).
         optimizer_states: Optimizer state elements per parameter (Adam: 2, SGD with momentum: 1).
+        activation_checkpointing: "none", "full" or "selective", per block as the strategies apply it
+            (``planner/checkpointing.py``).
     """
 
     def __init__(
-        self, workload: Workload, hardware: Hardware, *, precision: str = "32-true", optimizer_states: int = 2
+        self,
+        workload: Workload,
+        hardware: Hardware,
+        *,
+        precision: str = "32-true",
+        optimizer_states: int = 2,
+        activation_checkpointing: str = "none",
     ):
         if optimizer_states < 0:
             raise ValueError(f"optimizer_states={optimizer_states} must be >= 0. HINT: Adam keeps 2, SGD 0 or 1")
+        if activation_checkpointing not in CHECKPOINTING:
+            raise ValueError(
+                f"activation_checkpointing={activation_checkpointing!r} is unknown. HINT: one of "
+                f"{', '.join(CHECKPOINTING)}"
+            )
+        self.activation_checkpointing = activation_checkpointing
         self.workload, self.hardware, self.precision = workload, hardware, precision
         self.optimizer_states = optimizer_states
         self.param_bytes, self.grad_bytes, self.state_bytes, self.act_bytes = precision_bytes(precision)
@@ -162,27 +179,33 @@ class CostModel:
 
     def _rank(self, split: tuple[tuple[int, ...], ...], stages: list[int], tp: int) -> _Rank:
         hw, net = self.hardware, self.hardware.network
-        fixed = per_sample = comm_fixed = comm_per_sample = activations = params = largest = 0.0
+        fixed = per_sample = comm_fixed = comm_per_sample = activations = rebuilt = params = largest = 0.0
         count = 0
+        checkpointed = checkpointed_kinds(self.workload.blocks)
         for index in (i for s in stages for i in split[s]):
             block = self.workload.blocks[index]
+            block_input = self.workload.blocks[index - 1].output if index > 0 else 0.0
+            mode = self.activation_checkpointing if block.kind in checkpointed else "none"
+            recompute = recompute_factor(mode)
             local = block.params - block.tp_params + block.tp_params / tp
             params += local
             largest = max(largest, local)
             count += 1
             shard = 1.0 - (block.tp_flops / block.flops if block.flops else 0.0) * (1.0 - 1.0 / tp)
             if block.seconds is not None:
-                fixed += block.seconds[0] * hw.compute_scale
-                per_sample += block.seconds[1] * shard * hw.compute_scale
+                fixed += block.seconds[0] * hw.compute_scale * recompute
+                per_sample += block.seconds[1] * shard * hw.compute_scale * recompute
             else:
-                fixed += hw.block_overhead * hw.compute_scale
-                per_sample += block.flops * shard / self.rate * hw.compute_scale
-            activations += (block.activations - block.tp_activations + block.tp_activations / tp) * self.act_bytes
+                fixed += hw.block_overhead * hw.compute_scale * recompute
+                per_sample += block.flops * shard / self.rate * hw.compute_scale * recompute
+            kept, rebuilding = kept_and_rematerialised(block, tp, mode, block_input)
+            activations += kept * self.act_bytes
+            rebuilt = max(rebuilt, rebuilding * self.act_bytes)
             for kind, elements in block.collectives if tp > 1 else ():
                 fixed_s, per_byte = net.collective_terms(kind, tp, 1)
                 comm_fixed += fixed_s + hw.collective_overhead * hw.compute_scale
                 comm_per_sample += per_byte * elements * self.act_bytes
-        return _Rank(params, largest, fixed, per_sample, comm_fixed, comm_per_sample, activations, count)
+        return _Rank(params, largest, fixed, per_sample, comm_fixed, comm_per_sample, activations, rebuilt, count)
 
     # ---- one layout ------------------------------------------------------------------------------
     def estimate(self, layout: Layout, *, batch: int) -> Estimate:
@@ -313,7 +336,7 @@ class CostModel:
                 "params": params * self.param_bytes + gathered * self.param_bytes,
                 "grads": params * self.grad_bytes,
                 "optimizer": params * self.optimizer_states * self.state_bytes,
-                "activations": figures.activations * micro * held,
+                "activations": figures.activations * micro * held + figures.rematerialised * micro,
             }
             memory["total"] = sum(memory.values())
             if memory["total"] > worst["total"]:

@@ -29,6 +29,7 @@ class Plan:
     devices: int
     estimates: tuple[Estimate, ...]
     global_batch: int | None = None  # None: each replica had its own batch (train.py's data.batch_size)
+    activation_checkpointing: str = "none"  # what every estimate assumed
 
     @property
     def best(self) -> Estimate | None:
@@ -53,6 +54,7 @@ def plan(
     replica_batch: int | None = None,
     precision: str = "32-true",
     optimizer_states: int = 2,
+    activation_checkpointing: str = "none",
     schedules: Sequence[str] | None = None,
     allow: Callable[[Layout], bool] | None = None,
 ) -> Plan:
@@ -66,6 +68,7 @@ def plan(
         replica_batch: Samples per replica per step instead (``train.py``'s ``data.batch_size``); give one of the two.
         precision: A Lightning precision name.
         optimizer_states: Optimizer state elements per parameter (Adam: 2).
+        activation_checkpointing: "none", "full" or "selective", as the strategies' argument of that name.
         schedules: Pipeline schedules to try; None tries all of ``pipeline.schedule_plan.SCHEDULES``.
         allow: Keep only layouts for which this returns True (e.g. those a strategy can run).
 
@@ -83,7 +86,13 @@ def plan(
     unknown = sorted(set(chosen) - set(schedule_names()))
     if unknown or not chosen:
         raise ValueError(f"unknown schedules {unknown or chosen}. HINT: choose from {', '.join(schedule_names())}")
-    model = CostModel(workload, hardware, precision=precision, optimizer_states=optimizer_states)
+    model = CostModel(
+        workload,
+        hardware,
+        precision=precision,
+        optimizer_states=optimizer_states,
+        activation_checkpointing=activation_checkpointing,
+    )
     estimates = []
     for layout, per_replica in _layouts(workload, devices, global_batch, replica_batch, chosen):
         if allow is None or allow(layout):
@@ -92,7 +101,12 @@ def plan(
         raise ValueError(_no_layout_reason(workload, devices, global_batch))
     estimates.sort(key=lambda e: (not e.fits, -e.throughput if e.fits else e.memory["total"]))
     return Plan(
-        workload=workload, hardware=hardware, devices=devices, estimates=tuple(estimates), global_batch=global_batch
+        workload=workload,
+        hardware=hardware,
+        devices=devices,
+        estimates=tuple(estimates),
+        global_batch=global_batch,
+        activation_checkpointing=activation_checkpointing,
     )
 
 

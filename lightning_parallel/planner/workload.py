@@ -18,24 +18,34 @@ class Block:
 
     Args:
         name: The block's name in the ``nn.Sequential``.
+        kind: Its module class: activation checkpointing applies to the kinds that repeat (``blocks.repeated``).
         params: Parameters of the block.
         tp_params: Of which split across tensor-parallel ranks (the rest is replicated).
         flops: Forward + backward FLOPs per sample.
         tp_flops: Of which split across tensor-parallel ranks.
         activations: Elements saved for backward per sample.
         tp_activations: Of which split across tensor-parallel ranks.
+        selective_activations: Elements kept per sample under selective activation checkpointing (the outputs of
+            matrix multiplications and attention; the block's input not included); None when not known.
+        tp_selective_activations: Of which split across tensor-parallel ranks.
+        outside_activations: Of ``activations``, elements a loss outside the network saves (the log-softmax of the
+            logits): kept under any activation checkpointing.
         output: Elements of the block's output per sample: what a pipeline boundary after it sends.
         collectives: Tensor-parallel collectives per forward + backward: ``(kind, elements per sample)``.
         seconds: Measured forward + backward time ``(fixed, per sample)`` on one device; None = from FLOPs.
     """
 
     name: str
+    kind: str = ""
     params: int
     tp_params: int = 0
     flops: float = 0.0
     tp_flops: float = 0.0
     activations: float = 0.0
     tp_activations: float = 0.0
+    selective_activations: float | None = None
+    tp_selective_activations: float = 0.0
+    outside_activations: float = 0.0
     output: float = 0.0
     collectives: tuple[tuple[str, float], ...] = ()
     seconds: tuple[float, float] | None = None
@@ -108,17 +118,23 @@ def gpt_workload(
     hidden = (4 + 2 * r) * w * w  # q, k, v, proj, up, down weights
     block = Block(
         name="block",
+        kind="Block",
         params=hidden + (9 + r) * w,  # + biases (4w + rw + w) and two LayerNorms (4w)
         tp_params=hidden + (3 + r) * w,  # proj and down biases and the norms stay whole
         flops=3.0 * (2 * t * hidden + 4 * t * t * w),  # backward = 2x forward
         tp_flops=3.0 * (2 * t * hidden + 4 * t * t * w),
         activations=(9 + 2 * r) * t * w + 4 * t + heads * t,  # + norm statistics and the attention log-sum-exp
         tp_activations=(5 + 2 * r) * t * w + heads * t,
+        # q, k, v, attention (and its log-sum-exp), proj, up and down outputs; proj's and down's are whole under tp
+        selective_activations=(6 + r) * t * w + heads * t,
+        tp_selective_activations=(4 + r) * t * w + heads * t,
         output=t * w,
         collectives=(("all_reduce", t * w),) * 6,  # forward: proj, down; backward: q, k, v, up inputs
     )
     embed = Block(
         name="embed",
+        kind="GPTEmbedding",
+        selective_activations=0.0,
         params=(v + t) * w,
         tp_params=v * w,
         output=t * w,
@@ -126,11 +142,15 @@ def gpt_workload(
     )
     head = Block(
         name="head",
+        kind="LMHead",
         params=2 * w + v * w,
         tp_params=v * w,
         flops=3.0 * 2 * t * w * v,
         tp_flops=3.0 * 2 * t * w * v,
         activations=2 * t * w + 2 * t + t * v,  # norm input and output, and the loss's log-softmax of the logits
+        selective_activations=t * v,  # the logits' matrix multiplication
+        tp_selective_activations=t * v,
+        outside_activations=t * v,
         output=t * v,
         collectives=(("all_gather", t * v), ("all_reduce", t * w)),
     )

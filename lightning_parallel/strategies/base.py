@@ -54,6 +54,7 @@ from lightning_parallel.blocks import (
     checkpoint_activations,
     compile_blocks,
     refuse_unrepeatable,
+    repeated_kinds,
 )
 from lightning_parallel.checkpoint import (
     META_FILE,
@@ -178,9 +179,10 @@ class MeshStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         if not self._set_up:
+            layers = repeated_kinds(self.network_of(module))  # the whole network's repeated block classes
             self.parallelize(trainer, module)  # split into stages and/or shard over "tp" (subclasses)
             blocks = blocks_of(self.network_of(module))  # this rank's blocks, sharded
-            checkpoint_activations(blocks, self.activation_checkpointing)
+            checkpoint_activations([b for b in blocks if type(b) in layers], self.activation_checkpointing)
             self._first_step["compiled_blocks"] = compile_blocks(blocks, self.compile_options)
             self.replicate(trainer, module)  # FSDP2 over "dp", or nothing (subclasses)
             self._set_up = True

@@ -138,12 +138,19 @@ def strategy_choice(layout: Layout, *, cuda: bool = True) -> tuple[str, dict[str
     return None
 
 
-def train_overrides(layout: Layout, *, cuda: bool = True) -> list[str] | None:
-    """``train.py`` command-line overrides that run ``layout``, or None when no strategy here can."""
+def train_overrides(layout: Layout, *, cuda: bool = True, activation_checkpointing: str = "none") -> list[str] | None:
+    """``train.py`` command-line overrides that run ``layout``, or None when no strategy here can. With activation
+    checkpointing, a data-parallel-only layout runs on the mesh strategies at degree 1, which cost nothing there:
+    copies on the pipeline strategy at one stage, shards (FSDP2) on the tensor strategy at tp=1."""
     choice = strategy_choice(layout, cuda=cuda)
     if choice is None:
         return None
     name, keys = choice
+    if activation_checkpointing != "none":
+        if name not in ("pipeline", "tensor"):
+            size = "tensor_parallel_size" if layout.dp_shard else "pipeline_parallel_size"
+            name, keys = ("tensor" if layout.dp_shard else "pipeline"), {size: 1, "data_parallel_size": layout.dp}
+        keys = {**keys, "activation_checkpointing": activation_checkpointing}
     devices = [] if layout.devices == 1 else [f"trainer.devices={layout.devices}"]
     return [f"strategy={name}", *devices, *(f"strategy.{key}={value}" for key, value in keys.items())]
 
