@@ -14,7 +14,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 ACTIVATION_CHECKPOINTING = {
     "none": "every activation kept for backward",
@@ -78,11 +83,12 @@ def checkpoint_activations(blocks: list[nn.Module], mode: str) -> None:
     draws the same mask when recomputed)."""
     if mode == "none":
         return
-    context: dict[str, Callable[[], Any]] = {}
+    context: Callable[[], Any] = noop_context_fn
     if mode == "selective":
-        context = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_heavy_ops)}
+        context = functools.partial(create_selective_checkpoint_contexts, _save_heavy_ops)
     for block in blocks:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, **context)  # type: ignore[method-assign]
+        checkpointed = functools.partial(checkpoint, block.forward, use_reentrant=False, context_fn=context)
+        block.forward = checkpointed  # type: ignore[method-assign]
 
 
 def _save_heavy_ops(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
