@@ -20,7 +20,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_parallel.async_sgd import SERVER_RANK, ParameterServer, ServerClient, flat_gradient, load_flat
+from lightning_parallel.parameter_server import SERVER_RANK, ParameterServer, ServerClient, flat_gradient, load_flat
 from lightning_parallel.replicas import average_
 from lightning_parallel.strategies.arguments import check_int
 from lightning_parallel.strategies.ddp import DEFAULT_TIMEOUT, DDPStrategy

@@ -17,7 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_parallel.diloco import OuterLoop
+from lightning_parallel.outer_loop import OuterLoop
 from lightning_parallel.replicas import broadcast_module
 from lightning_parallel.strategies.arguments import check_int, reject
 from lightning_parallel.strategies.ddp import DDPStrategy

@@ -7,7 +7,7 @@ re-classes that instance to a subclass of its own class with `MeshClipping` in f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -15,8 +15,12 @@ from typing_extensions import override
 
 from lightning_parallel.precision import AgreeingGradScaler, clip_grad_value_mixed
 
-if TYPE_CHECKING:
-    from lightning_parallel.strategies.base import MeshStrategy
+
+class ClipsOverMesh(Protocol):
+    """What the plugin needs of its strategy (a `MeshStrategy`; named by this protocol so neither module imports the
+    other)."""
+
+    def clip_norm_over_mesh(self, parameters: list[torch.nn.Parameter], max_norm: float) -> None: ...
 
 
 class MeshClipping(Precision):
@@ -24,7 +28,7 @@ class MeshClipping(Precision):
     which groups), or element-wise on each rank's shards. Lightning's own clipping uses the local norm, which
     differs per pipeline stage, and refuses a mix of DTensor and plain gradients."""
 
-    mesh_strategy: MeshStrategy
+    mesh_strategy: ClipsOverMesh
 
     @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
@@ -35,7 +39,7 @@ class MeshClipping(Precision):
         clip_grad_value_mixed(_parameters(optimizer), float(clip_val))
 
 
-def mesh_precision(plugin: Precision, strategy: MeshStrategy) -> Precision:
+def mesh_precision(plugin: Precision, strategy: ClipsOverMesh) -> Precision:
     """`plugin`, re-classed to clip over the mesh, with an fp16 GradScaler that agrees on overflow. Idempotent."""
     if not isinstance(plugin, MeshClipping):
         plugin.__class__ = _with_mesh_clipping(type(plugin))
