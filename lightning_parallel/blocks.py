@@ -18,7 +18,6 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
-    noop_context_fn,
 )
 
 ACTIVATION_CHECKPOINTING = {
@@ -83,12 +82,11 @@ def checkpoint_activations(blocks: list[nn.Module], mode: str) -> None:
     draws the same mask when recomputed)."""
     if mode == "none":
         return
-    context: Callable[[], Any] = noop_context_fn
-    if mode == "selective":
-        context = functools.partial(create_selective_checkpoint_contexts, _save_heavy_ops)
+    options: dict[str, Any] = {"use_reentrant": False}
+    if mode == "selective":  # only then: TorchDynamo cannot trace through an explicit default context_fn
+        options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_heavy_ops)
     for block in blocks:
-        checkpointed = functools.partial(checkpoint, block.forward, use_reentrant=False, context_fn=context)
-        block.forward = checkpointed  # type: ignore[method-assign]
+        block.forward = functools.partial(checkpoint, block.forward, **options)  # type: ignore[method-assign]
 
 
 def _save_heavy_ops(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

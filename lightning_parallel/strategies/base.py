@@ -1,51 +1,24 @@
-"""The shared mesh strategy: launcher, process group with a short timeout, one named DeviceMesh, collectives,
-sampler arguments over the data-parallel dimension only, validation before launch.
+"""The shared mesh strategy: the one set-up order every mesh strategy runs (shard -> activation checkpointing ->
+compile -> replicas -> precision -> device -> optimizers), the optimizer step over mixed parameter kinds, clipping over
+the mesh, and finding the network. Subclasses say how the network is split or sharded; the processes, mesh and
+collectives are `mesh_processes.py`'s, checkpoints `sharded_checkpoints.py`'s.
 
-The ONE module allowed to touch Lightning/Fabric private helpers. It knows nothing about pipelines or
-tensor plans; subclasses say how the world splits (`resolve_dims`) and what to check (`validate`).
+With those two the one place allowed to touch Lightning/Fabric private helpers. It knows nothing about pipelines or
+tensor plans.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from lightning.fabric.utilities.distributed import (
-    DistributedSamplerWrapper,
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.data import _update_dataloader, has_iterable_dataset
-from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 from typing_extensions import override
 
 from lightning_parallel.blocks import (
@@ -56,58 +29,19 @@ from lightning_parallel.blocks import (
     refuse_unrepeatable,
     repeated_kinds,
 )
-from lightning_parallel.checkpoint import (
-    META_FILE,
-    MODEL_KEY,
-    compare_tensors,
-    load_shards,
-    partial_path,
-    read_meta,
-    recover,
-    replace_with,
-    sharded_tensors,
-)
-from lightning_parallel.dims import ParallelDims
-from lightning_parallel.parameter_kinds import groups_by_kind, refuse_unsteppable, then_by_kind
+from lightning_parallel.parameter_kinds import refuse_unsteppable, then_by_kind
 from lightning_parallel.precision import clip_grad_norm_global
-from lightning_parallel.rendezvous import bound_store, listen_address
-from lightning_parallel.seams import changed, finish_restored_epoch, fit_weights_only, fused_steps_on_dtensor
-from lightning_parallel.strategies.arguments import check_backend, check_choice, check_timeout, reject
+from lightning_parallel.seams import changed, fused_steps_on_dtensor
+from lightning_parallel.strategies.arguments import check_choice, reject
 from lightning_parallel.strategies.mesh_precision import mesh_precision
-from lightning_parallel.strategies.peers import PeerFailure, check_nodes, stop_peers
+from lightning_parallel.strategies.mesh_processes import DEFAULT_TIMEOUT
+from lightning_parallel.strategies.sharded_checkpoints import OPTIMIZER_OPTIONS, ShardedCheckpoints
 
-# Flattened optimizer keys ("state.<param name>.exp_avg") are per parameter: no two ranks write the same
-# key with different values, and a checkpoint loads into any other split of the parameters.
-OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-DEFAULT_TIMEOUT = timedelta(minutes=5)  # Lightning's default is 30 minutes of a silent hang
-# How long rank 0's store waits for the other processes to start (importing torch and Lightning can take 10 s
-# on a loaded machine); a child that dies meanwhile ends the run at once through Lightning's process observer.
-JOIN_TIMEOUT = timedelta(minutes=5)
+__all__ = ["DEFAULT_TIMEOUT", "OPTIMIZER_OPTIONS", "MeshStrategy"]
 
 
-class _ValidatingLauncher(_SubprocessScriptLauncher):
-    """Lightning's subprocess launcher, but the strategy checks the model before children start."""
-
-    def __init__(self, strategy: MeshStrategy, *args: Any) -> None:
-        super().__init__(*args)
-        self._strategy = strategy
-
-    @override
-    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        if trainer is not None and trainer.lightning_module is not None:
-            # fit/validate/test/predict(model, dataloaders, ...): a loader given directly offers a first batch
-            module = trainer.lightning_module
-            loaders = [a for a in args if isinstance(a, DataLoader)]
-            if not loaders and trainer.state.fn == "fit" and is_overridden("train_dataloader", module):
-                loaders = [module.train_dataloader()]  # the module's own loader hook (BoringModel's style)
-            batch = next(iter(loaders[0])) if loaders and isinstance(loaders[0], DataLoader) else None
-            self._strategy.validate(module, batch=batch)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
-
-
-class MeshStrategy(ParallelStrategy):
-    """A multi-process strategy over one DeviceMesh with named dimensions ("dp", "pp", "tp").
+class MeshStrategy(ShardedCheckpoints):
+    """A multi-process strategy over one DeviceMesh with named dimensions ("dp", "pp", "tp"), set up in one order.
 
     Args:
         timeout: how long a collective may wait before the run fails (seconds or a timedelta).
@@ -121,23 +55,11 @@ class MeshStrategy(ParallelStrategy):
     def __init__(
         self,
         *,
-        timeout: float | timedelta = DEFAULT_TIMEOUT,
-        process_group_backend: str | None = None,
         activation_checkpointing: str = "none",
         compile: bool | Mapping[str, Any] = False,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        precision_plugin: Any = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            precision_plugin=precision_plugin,
-        )
-        check_timeout(self, timeout)  # a negative one would only fail later, inside the launched processes
-        check_backend(self, process_group_backend)
+        super().__init__(**kwargs)
         check_choice(
             self, "activation_checkpointing", activation_checkpointing, ACTIVATION_CHECKPOINTING, example="full"
         )
@@ -150,23 +72,8 @@ class MeshStrategy(ParallelStrategy):
         self._set_up = False
         self._first_step: dict[str, float] = {}  # compiled blocks, and the first step's seconds once it ran
         self._first_step_started: float | None = None
-        self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-        self._process_group_backend = process_group_backend
-        self._dims: ParallelDims | None = None
-        self._mesh: DeviceMesh | None = None
-        self._use_distributed_sampler: bool | None = None
-        self.num_nodes = 1
-        self.peer_failure: PeerFailure | None = None
         # The most parameter bytes this rank held while materialising (and sharding) its part; set in `parallelize`.
         self.setup_peak_parameter_bytes = 0
-
-    @abstractmethod
-    def resolve_dims(self, world_size: int) -> ParallelDims:
-        """How this strategy splits `world_size` processes; raises ValueError with a fix."""
-
-    def validate(self, module: pl.LightningModule, *, batch: Any = None) -> None:
-        """Check the LightningModule before any process is launched (subclasses extend); `batch` is a first
-        batch when the data came as a DataLoader."""
 
     # ---- one set-up order; subclasses fill in how the network is split or sharded -------------------
     @override
@@ -316,271 +223,3 @@ class MeshStrategy(ParallelStrategy):
                 "trainer.init_module()), and the strategy materialises only the network. HINT: build just the "
                 "network inside it (with trainer.init_module(): net = Net()) and the LightningModule outside"
             )
-
-    @property
-    def dims(self) -> ParallelDims:
-        if self._dims is None:
-            raise RuntimeError(f"{type(self).__name__}.dims is known only once the Trainer has set the devices")
-        return self._dims
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        if self._mesh is None:
-            raise RuntimeError(f"{type(self).__name__}.device_mesh exists only after the processes have started")
-        return self._mesh
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def is_distributed(self) -> bool:
-        # Lightning syncs `self.log(..., sync_dist=True)` and injects samplers only for strategies it
-        # knows, or that say so here.
-        return True
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every pipeline and tensor rank of one replica must see the same batch.
-        coords = self.dims.coords(self.global_rank)
-        return {"num_replicas": self.dims.dp, "rank": coords[0]}
-
-    @override
-    def _configure_launcher(self) -> None:
-        # Runs in the main process when the Trainer is built: the place to fail before any launch.
-        check_nodes(self.num_nodes, self.cluster_environment)
-        self._dims = self.resolve_dims(self.num_processes * self.num_nodes)
-        self._dims.check_tp_fits_nodes(self.num_processes)  # tp inside a node; pp and dp may cross nodes
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _ValidatingLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        self._process_group_backend = backend
-        assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, **self._rendezvous())
-        self._dims = self.resolve_dims(self.world_size)
-        self._check_placement()
-        self._mesh = self.dims.build_mesh(self.root_device.type, timeout=self._timeout)
-        self._take_over_sampler_injection()
-
-    def _check_placement(self) -> None:
-        """Across nodes, check where the launcher really put each rank (SLURM may deal them out round-robin):
-        a tensor-parallel group split over nodes would run, only slowly. Every rank sees the same list."""
-        if self.num_nodes == 1 or self.dims.tp == 1:
-            return
-        nodes: list[Any] = [None] * self.world_size
-        dist.all_gather_object(nodes, self.node_rank)
-        self.dims.check_tp_placement(nodes)
-
-    def _rendezvous(self) -> dict[str, Any]:
-        """A store listening on the main address only (loopback for one machine, MASTER_ADDR across nodes),
-        unless torchrun's agent hosts the store or the address is a host name (`rendezvous.listen_address`)."""
-        environment = self.cluster_environment
-        assert environment is not None
-        if _distributed_is_initialized():
-            return {}  # a later fit in the same processes reuses the group (and its store)
-        address = listen_address(environment.main_address)
-        if address is None:
-            return {}
-        store = bound_store(
-            address,
-            environment.main_port,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            timeout=max(self._timeout, JOIN_TIMEOUT),  # a short `timeout` is for hung collectives, not slow starts
-        )
-        return {"store": store}
-
-    def _take_over_sampler_injection(self) -> None:
-        """Lightning injects a shuffling DistributedSampler into the training loader of any distributed
-        strategy, even where there is one replica and even under `shuffle=False`; `process_dataloader` does it
-        instead, keeping the user's choice. The user's `use_distributed_sampler` is kept and honoured."""
-        module = self.lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
-        if trainer is None:
-            return
-        connector: Any = getattr(trainer, "_accelerator_connector", None)
-        if not hasattr(connector, "use_distributed_sampler"):
-            raise changed(
-                "lightning", "Trainer._accelerator_connector.use_distributed_sampler", "keep samplers per replica"
-            )
-        if self._use_distributed_sampler is None:
-            self._use_distributed_sampler = connector.use_distributed_sampler
-        connector.use_distributed_sampler = False
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """Shard a loader over the data-parallel replicas only, keeping its shuffle choice; at one replica, or
-        with `use_distributed_sampler=False`, leave it exactly as the user built it."""
-        if (
-            not self._use_distributed_sampler
-            or self.dims.dp == 1
-            or not isinstance(dataloader, DataLoader)
-            or isinstance(dataloader.sampler, DistributedSampler)
-            or has_iterable_dataset(dataloader)
-        ):
-            return dataloader
-        sampler = dataloader.sampler
-        kwargs: dict[str, Any] = {"num_replicas": self.dims.dp, "rank": self.dims.coords(self.global_rank)[0]}
-        kwargs["seed"] = int(os.getenv("PL_GLOBAL_SEED", 0))
-        predicting = self.lightning_module is not None and self.lightning_module.trainer.predicting
-        new: Sampler
-        if predicting:
-            new, mode = UnrepeatedDistributedSamplerWrapper(sampler, shuffle=False, **kwargs), RunningStage.PREDICTING
-        elif isinstance(sampler, (RandomSampler, SequentialSampler)):
-            new = DistributedSampler(dataloader.dataset, shuffle=isinstance(sampler, RandomSampler), **kwargs)
-            mode = None
-        else:
-            new, mode = DistributedSamplerWrapper(sampler, shuffle=False, **kwargs), None
-        return _update_dataloader(dataloader, new, mode=mode)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        assert self.lightning_module is not None  # training has started
-        finish_restored_epoch(self.lightning_module.trainer)  # a second resume stays exact (seams.py says why)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        self.peer_failure = stop_peers(
-            self.launcher, exception, node_rank=self.node_rank, num_processes=self.num_processes
-        )
-
-    @override
-    def teardown(self) -> None:
-        module = self._lightning_module
-        if module is None or not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
-            super().teardown()
-            return
-        # A run that stopped before materialising: Lightning's move to the CPU would raise "Cannot copy out of
-        # meta tensor" and hide the error that stopped it.
-        self._lightning_module = None
-        try:
-            super().teardown()
-        finally:
-            self._lightning_module = module
-
-    def group(self, dim: str) -> dist.ProcessGroup:
-        """The process group of this rank along one mesh dimension ("dp", "pp" or "tp")."""
-        return self.device_mesh.get_group(dim)
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        holder = [obj]
-        dist.broadcast_object_list(holder, src)
-        return holder[0]
-
-    @override
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    # ---- sharded checkpoints (DCP), keyed by original parameter names ----------------------------
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the model must be split and the optimizers built before state can load into them
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False  # load_checkpoint restores the optimizers itself
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        return get_model_state_dict(self.lightning_module)
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
-        assert self.lightning_module is not None
-        return optimizer_state_dict(self.lightning_module, optimizer)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Every rank writes its shards into `<path>.partial`; rank 0 then swaps it in for `<path>`."""
-        path = Path(self.broadcast(str(filepath)))
-        partial = partial_path(path)
-        if self.is_global_zero:
-            recover(path.parent)  # what a run killed during an earlier save left behind
-        self.barrier()
-        shards = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
-        shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-        dcp.save(shards, checkpoint_id=str(partial))
-        if self.is_global_zero:
-            torch.save(checkpoint, partial / META_FILE)
-        self.barrier()
-        if self.is_global_zero:
-            replace_with(partial, path)
-        self.barrier()
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load the model and optimizer shards in place and return the rest. Nothing in the files runs as code unless
-        `trainer.fit(..., weights_only=False)` says the checkpoint is trusted (None means True, as in torch)."""
-        module = self.lightning_module
-        assert module is not None
-        if weights_only is None:
-            weights_only = fit_weights_only()  # Lightning 2.6 does not pass it to strategies that restore after setup
-        trusted = weights_only is False
-        path = Path(self.broadcast(str(checkpoint_path)))
-        meta = read_meta(path, weights_only=not trusted)
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(module)}
-        for i, optimizer in enumerate(optimizers):
-            state[f"optimizer_{i}"] = optimizer_state_dict(module, optimizer)
-        expected = {k: tuple(v.shape) for k, v in state[MODEL_KEY].items()}  # this rank's part, global shapes
-        compare_tensors(path, sharded_tensors(path, weights_only=not trusted), expected, whole=False)
-        load_shards(state, path, weights_only=not trusted)
-        set_model_state_dict(module, state[MODEL_KEY], options=StateDictOptions(strict=module.strict_loading))
-        for i, optimizer in enumerate(optimizers):
-            set_optimizer_state_dict(module, optimizer, state[f"optimizer_{i}"], options=OPTIMIZER_OPTIONS)
-        return meta
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # already loaded, shard by shard, in load_checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # already loaded in load_checkpoint
-
-
-def optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """DCP's flattened state dict of `optimizer`. DCP first steps an optimizer that has no state yet (at lr 0), and
-    that step too takes one parameter kind at a time; flattened keys name parameters, so the split never shows."""
-    with groups_by_kind(optimizer):
-        return get_optimizer_state_dict(module, optimizer, options=OPTIMIZER_OPTIONS)

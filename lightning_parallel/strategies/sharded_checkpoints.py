@@ -1,0 +1,128 @@
+"""Sharded checkpoints of a mesh strategy (torch.distributed.checkpoint), keyed by the network's original parameter
+names: every rank writes its own shards and reads what its part needs, so a checkpoint loads into any layout. Reading
+runs no code from the files (`unpickling.py`). The file format itself is `checkpoint.py`'s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from typing_extensions import override
+
+from lightning_parallel.checkpoint import (
+    META_FILE,
+    MODEL_KEY,
+    compare_tensors,
+    load_shards,
+    partial_path,
+    read_meta,
+    recover,
+    replace_with,
+    sharded_tensors,
+)
+from lightning_parallel.parameter_kinds import groups_by_kind
+from lightning_parallel.seams import finish_restored_epoch, fit_weights_only
+from lightning_parallel.strategies.mesh_processes import MeshProcesses
+
+# Flattened optimizer keys ("state.<param name>.exp_avg") are per parameter: no two ranks write the same
+# key with different values, and a checkpoint loads into any other split of the parameters.
+OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class ShardedCheckpoints(MeshProcesses):
+    """Save and load a mesh strategy's checkpoints shard by shard, after set-up (the model split and the optimizers
+    built), and resume exactly more than once."""
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        assert self.lightning_module is not None  # training has started
+        finish_restored_epoch(self.lightning_module.trainer)  # a second resume stays exact (seams.py says why)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the model must be split and the optimizers built before state can load into them
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizers itself
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return get_model_state_dict(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
+        assert self.lightning_module is not None
+        return optimizer_state_dict(self.lightning_module, optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Every rank writes its shards into `<path>.partial`; rank 0 then swaps it in for `<path>`."""
+        path = Path(self.broadcast(str(filepath)))
+        partial = partial_path(path)
+        if self.is_global_zero:
+            recover(path.parent)  # what a run killed during an earlier save left behind
+        self.barrier()
+        shards = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
+        shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
+        dcp.save(shards, checkpoint_id=str(partial))
+        if self.is_global_zero:
+            torch.save(checkpoint, partial / META_FILE)
+        self.barrier()
+        if self.is_global_zero:
+            replace_with(partial, path)
+        self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the model and optimizer shards in place and return the rest. Nothing in the files runs as code unless
+        `trainer.fit(..., weights_only=False)` says the checkpoint is trusted (None means True, as in torch)."""
+        module = self.lightning_module
+        assert module is not None
+        if weights_only is None:
+            weights_only = fit_weights_only()  # Lightning 2.6 does not pass it to strategies that restore after setup
+        trusted = weights_only is False
+        path = Path(self.broadcast(str(checkpoint_path)))
+        meta = read_meta(path, weights_only=not trusted)
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(module)}
+        for i, optimizer in enumerate(optimizers):
+            state[f"optimizer_{i}"] = optimizer_state_dict(module, optimizer)
+        expected = {k: tuple(v.shape) for k, v in state[MODEL_KEY].items()}  # this rank's part, global shapes
+        compare_tensors(path, sharded_tensors(path, weights_only=not trusted), expected, whole=False)
+        load_shards(state, path, weights_only=not trusted)
+        set_model_state_dict(module, state[MODEL_KEY], options=StateDictOptions(strict=module.strict_loading))
+        for i, optimizer in enumerate(optimizers):
+            set_optimizer_state_dict(module, optimizer, state[f"optimizer_{i}"], options=OPTIMIZER_OPTIONS)
+        return meta
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # already loaded, shard by shard, in load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # already loaded in load_checkpoint
+
+
+def optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """DCP's flattened state dict of `optimizer`. DCP first steps an optimizer that has no state yet (at lr 0), and
+    that step too takes one parameter kind at a time; flattened keys name parameters, so the split never shows."""
+    with groups_by_kind(optimizer):
+        return get_optimizer_state_dict(module, optimizer, options=OPTIMIZER_OPTIONS)
