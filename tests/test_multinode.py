@@ -26,7 +26,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning_parallel.checkpoint import export
 from lightning_parallel.dims import ParallelDims, PlacementError
 from lightning_parallel.rendezvous import bound_store, listen_address
-from lightning_parallel.strategies import base
+from lightning_parallel.strategies import mesh_processes
 
 # 3 steps of SimpleCNN on digits; Lightning's own ModelCheckpoint writes the final weights at the end.
 TINY = ["trainer=cpu", "trainer.max_steps=3", "callbacks=none"]
@@ -233,7 +233,9 @@ def test_the_strategy_hands_the_main_address_to_the_store(monkeypatch: pytest.Mo
     from lightning_parallel import TensorParallelStrategy
 
     bound: list[tuple[str, int]] = []
-    monkeypatch.setattr(base, "bound_store", lambda address, port, **_: bound.append((address, port)) or "store")
+    monkeypatch.setattr(
+        mesh_processes, "bound_store", lambda address, port, **_: bound.append((address, port)) or "store"
+    )
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
     monkeypatch.setenv("MASTER_PORT", "29555")
@@ -246,7 +248,7 @@ def test_the_strategy_hands_the_main_address_to_the_store(monkeypatch: pytest.Mo
 def test_a_store_bound_to_another_address_listens_there_only() -> None:
     """127.0.0.2 stands for node 0's network address: the listener is there, not on 127.0.0.1 or every interface."""
     port = free_port()
-    store = bound_store("127.0.0.2", port, rank=0, world_size=1, timeout=base.JOIN_TIMEOUT)
+    store = bound_store("127.0.0.2", port, rank=0, world_size=1, timeout=mesh_processes.JOIN_TIMEOUT)
     try:
         listening = set()
         for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
