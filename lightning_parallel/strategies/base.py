@@ -161,6 +161,14 @@ class MeshStrategy(ShardedCheckpoints):
         """Ids of parameters another rank of `norm_group` also holds and counts (tied weights)."""
         return set()
 
+    @property
+    def module(self) -> pl.LightningModule:
+        """The LightningModule, which exists from set-up on (Lightning's `lightning_module` is typed Optional)."""
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError(f"{type(self).__name__} has no LightningModule before the Trainer sets it up")
+        return module
+
     def first_batch(self, trainer: pl.Trainer) -> Any:
         """The first batch of the dataloader the running trainer function uses (fit: training)."""
         loops = {
