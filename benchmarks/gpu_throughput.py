@@ -30,6 +30,7 @@ from throughput_runs import RUNS, WORKLOADS, run_case
 
 TARGET = 0.03  # a strategy at degree 1 may cost at most 3% more per step than Lightning's auto
 MFU_TARGET = 0.40  # compiled GPT-2 small on a GPU
+QUIET = 0.1  # a run is quiet when other processes kept fewer cores than this busy: on CPU the verdict prefers them
 RESULTS = Path(__file__).parent / "results"
 # On CPU every run gets the same process set-up, else runs differ by more than a strategy costs:
 # - Lightning's DDP-based strategies set torch's threads to cores / processes unless OMP_NUM_THREADS is set, while
@@ -118,6 +119,9 @@ def row(runs: list[dict[str, Any]], facts: dict[str, Any], units: int, args: arg
     cpu = [t for r in ok for t in r["cpu_s"][args.warmup :]]
     out |= {"step_ms": stats_ms(wall), "cpu_ms": stats_ms(cpu), "cpu_mean_ms": statistics.mean(cpu) * 1e3}
     out["repeat_cpu_ms"] = [statistics.median(r["cpu_s"][args.warmup :]) * 1e3 for r in ok]
+    quiet = [t for r in ok if r["other_cores"] < QUIET for t in r["cpu_s"][args.warmup :]]
+    out["quiet_runs"] = sum(r["other_cores"] < QUIET for r in ok)
+    out["quiet_cpu_ms"] = statistics.median(quiet) * 1e3 if quiet else None  # others' load inflates CPU time too
     step_s, flops = out["step_ms"]["median"] / 1e3, facts.get("flops_per_step")
     out["per_s"] = units / step_s
     out["tflops"] = flops / step_s / 1e12 if flops else None
@@ -129,8 +133,9 @@ def row(runs: list[dict[str, Any]], facts: dict[str, Any], units: int, args: arg
 
 
 def against(rows: dict[str, dict[str, Any]], device: str) -> None:
-    """Each row's ratios to auto (wall, CPU; CPU per repeat), its loss gap to raw, and the 3% verdict: on CPU by
-    CPU time (work, whatever else the machine runs), on CUDA by wall time (the GPU's step)."""
+    """Each row's ratios to auto (wall, CPU; CPU per repeat; CPU over quiet runs), its loss gap to raw, and the 3%
+    verdict: on CPU by CPU time (quiet runs where both have some: others' load slows our work too), on CUDA by wall
+    time (the GPU's step)."""
     auto, raw = rows["auto"], rows.get("raw", {})
     for name, r in rows.items():
         if "step_ms" not in r or "step_ms" not in auto:
@@ -140,7 +145,9 @@ def against(rows: dict[str, dict[str, Any]], device: str) -> None:
         r["repeat_cpu_vs_auto"] = [a / b for a, b in zip(r["repeat_cpu_ms"], auto["repeat_cpu_ms"], strict=False)]
         if "loss" in raw:
             r["max_loss_gap_vs_raw"] = max(abs(a - b) for a, b in zip(r["loss"], raw["loss"], strict=True))
-        judged = r["cpu_vs_auto"] if device == "cpu" else r["wall_vs_auto"]
+        quiet = r["quiet_cpu_ms"] and auto["quiet_cpu_ms"]
+        r["quiet_cpu_vs_auto"] = r["quiet_cpu_ms"] / auto["quiet_cpu_ms"] if quiet else None
+        judged = (r["quiet_cpu_vs_auto"] or r["cpu_vs_auto"]) if device == "cpu" else r["wall_vs_auto"]
         r["within_target"] = judged - 1 <= TARGET if RUNS[name].degree_one else None
 
 
@@ -162,7 +169,7 @@ def cells(name: str, r: dict[str, Any], unit: str) -> list[str]:
     run = RUNS[name]
     head = [f"`{name}`: {run.description}", "yes" if run.compiled else "no", "yes" if run.checkpointing else "no"]
     if "step_ms" not in r:
-        return [*head, f"failed: {r['errors'][0]}", *[""] * 8, f"{r['other_cores']:.2f}"]
+        return [*head, f"failed: {r['errors'][0]}", *[""] * 9, f"{r['other_cores']:.2f}"]
     s, c = r["step_ms"], r["cpu_ms"]
     spread = r.get("repeat_cpu_vs_auto") or [1.0]
     verdict = {None: "-", True: "yes", False: "NO"}[r.get("within_target")]
@@ -174,6 +181,7 @@ def cells(name: str, r: dict[str, Any], unit: str) -> list[str]:
         f"{r['wall_vs_auto']:.3f} / {r['cpu_vs_auto']:.3f} ({min(spread):.3f}-{max(spread):.3f})"
         if "cpu_vs_auto" in r
         else "-",
+        "-" if r.get("quiet_cpu_vs_auto") is None else f"{r['quiet_cpu_vs_auto']:.3f} ({r['quiet_runs']})",
         verdict,
         f"{r['per_s']:,.0f}",
         "-" if r["tflops"] is None else f"{r['tflops']:.3g}",
@@ -196,8 +204,9 @@ def table(w: str, part: dict[str, Any], args: argparse.Namespace) -> list[str]:
         "step (FlopCounterMode, forward + backward).",
         "",
         f"| run | compiled | act. ckpt | step ms (p10-p90) | CPU ms/step (mean) | vs auto: wall / CPU (CPU per "
-        f"repeat) | <= {TARGET:.0%} | {unit}/s | TFLOP/s | MFU | {memory} | max abs loss gap vs raw | other cores |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"repeat) | CPU vs auto, quiet runs (n) | <= {TARGET:.0%} | {unit}/s | TFLOP/s | MFU | {memory} | "
+        "max abs loss gap vs raw | other cores |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     return lines + ["| " + " | ".join(cells(name, part["rows"][name], unit)) + " |" for name in args.runs] + [""]
 
@@ -206,8 +215,9 @@ def verdicts(summary: dict[str, Any], args: argparse.Namespace) -> list[str]:
     judged = [(w, n, r) for w, p in summary.items() for n, r in p["rows"].items() if RUNS[n].degree_one]
     met = [f"{w}/{n}" for w, n, r in judged if r.get("within_target")]
     missed = [f"{w}/{n}" for w, n, r in judged if not r.get("within_target")]
-    basis = "CPU time" if args.device == "cpu" else "wall time"
-    lines = [f"- Degree 1 is free (each strategy's {basis} per step within {TARGET:.0%} of auto): {len(met)} of "
+    quiet = f"CPU time per step, over quiet runs (< {QUIET} other cores) where it and auto have some, else all"
+    basis = quiet if args.device == "cpu" else "wall time per step"
+    lines = [f"- Degree 1 is free (each strategy within {TARGET:.0%} of auto; judged on {basis}): {len(met)} of "
              f"{len(judged)} rows" + (f"; not: {', '.join(missed)}" if missed else "") + "."]  # fmt: skip
     compiled = summary.get("gpt2_small", {}).get("rows", {}).get("raw_compiled", {})
     if compiled.get("mfu") is not None:
