@@ -25,13 +25,23 @@ def launch(script: str, nprocs: int, out: Path, args: list[str], timeout: float)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(nprocs)]
 
 
-def bare_trainer(strategy: Any, devices: int, steps: int, callbacks: list[pl.Callback]) -> pl.Trainer:
+def bare_trainer(
+    strategy: Any,
+    devices: int,
+    steps: int,
+    callbacks: list[pl.Callback],
+    *,
+    accelerator: str = "cpu",
+    precision: str | None = None,
+) -> pl.Trainer:
     """A Trainer that only trains: no logger, checkpoint, progress bar, summary or validation. All ranks read
-    the same sequential batches (no distributed sampler): every rank here is one replica's part."""
+    the same sequential batches (no distributed sampler): every rank here is one replica's part.
+    `precision` None is Lightning's default (32-true)."""
     return pl.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=devices,
         strategy=strategy,
+        precision=precision,
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
