@@ -9,9 +9,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Backend as C10dBackend
 
 _AXES = ("dp", "pp", "tp")
 _LONG_NAMES = {"dp": "data-parallel size", "pp": "pipeline size", "tp": "tensor-parallel size"}
@@ -211,10 +215,13 @@ class ParallelDims:
                 f"{_factors(self._sizes())} = {self.world_size} != process group size {actual}. "
                 f"HINT: resolve the sizes with ParallelDims.resolve({actual}, ...)."
             )
-        override = None
+        override: dict[int | str, str | C10dBackend.Options | tuple[str, C10dBackend.Options]] | None = None
         if timeout is not None:
             backend = dist.get_backend()
-            options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+            if backend == "nccl":
+                options = dist.ProcessGroupNCCL.Options()
+            else:  # Gloo's own options class is private (its public `Options` is the generic base) and not in the stubs
+                options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             options._timeout = timeout
             override = {name: (backend, options) for name in _AXES}
         return init_device_mesh(

@@ -71,7 +71,9 @@ class SplitDataModule(LightningDataModule, ABC):
         train = self.splits()[0]
         replicas, rank = self._replicas()
         # Lightning keeps a DistributedSampler it finds instead of injecting its own.
-        sampler = DistributedSampler(train, num_replicas=replicas, rank=rank, shuffle=self.shuffle, seed=self.seed)
+        sampler: DistributedSampler[int] = DistributedSampler(
+            train, num_replicas=replicas, rank=rank, shuffle=self.shuffle, seed=self.seed
+        )
         return DataLoader(train, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers)
 
     def _eval_loader(self) -> DataLoader:

@@ -26,11 +26,22 @@ def _accumulate(module: _BatchNorm, args: tuple[torch.Tensor, ...]) -> None:
         getattr(module, _COUNT).add_(x.numel() // x.shape[1])
 
 
+def _running_stats(bn: _BatchNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`bn`'s running mean, variance and batch count: buffers a BatchNorm built to track them always has."""
+    mean, var, tracked = bn.running_mean, bn.running_var, bn.num_batches_tracked
+    if mean is None or var is None or tracked is None:
+        raise RuntimeError(
+            f"{type(bn).__name__} tracks running statistics but has no running buffers. "
+            "HINT: build it with track_running_stats=True rather than setting the flag afterwards."
+        )
+    return mean, var, tracked
+
+
 def defer_batchnorm(network: nn.Module) -> list[_BatchNorm]:
     """Make every BatchNorm in `network` defer its running-statistics update; returns them for `commit`."""
     layers = [m for m in network.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
     for bn in layers:
-        device = bn.running_mean.device
+        device = _running_stats(bn)[0].device
         # Non-persistent buffers: not in checkpoints, but saved and restored with the other buffers.
         bn.register_buffer(_SUM, torch.zeros(bn.num_features, dtype=torch.float64, device=device), persistent=False)
         bn.register_buffer(_SQUARES, torch.zeros_like(getattr(bn, _SUM)), persistent=False)
@@ -52,10 +63,11 @@ def commit_batchnorm(layers: list[_BatchNorm]) -> None:
             mean = getattr(bn, _SUM) / count
             var = getattr(bn, _SQUARES) / count - mean.pow(2)
             unbiased = var * count / max(count - 1, 1)
-            momentum = bn.momentum if bn.momentum is not None else 1.0 / (int(bn.num_batches_tracked) + 1)
-            bn.running_mean.mul_(1 - momentum).add_(mean.to(bn.running_mean.dtype), alpha=momentum)
-            bn.running_var.mul_(1 - momentum).add_(unbiased.to(bn.running_var.dtype), alpha=momentum)
-            bn.num_batches_tracked.add_(1)
+            running_mean, running_var, tracked = _running_stats(bn)
+            momentum = bn.momentum if bn.momentum is not None else 1.0 / (int(tracked) + 1)
+            running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+            running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+            tracked.add_(1)
             getattr(bn, _SUM).zero_()
             getattr(bn, _SQUARES).zero_()
             getattr(bn, _COUNT).zero_()

@@ -72,9 +72,9 @@ def stage_flows(split_graph: fx.Graph) -> tuple[list[StageFlow], list[str]]:
     return flows, outputs
 
 
-def _node_names(arg: object) -> list[str]:
+def _node_names(arg: fx.node.Argument) -> list[str]:
     found: list[str] = []
-    fx.node.map_arg(arg, lambda node: found.append(node.name))  # type: ignore[arg-type,return-value]
+    fx.node.map_arg(arg, lambda node: found.append(node.name))
     return found
 
 
@@ -110,7 +110,7 @@ def to_chain_stage(
     output = graph.output_node()
     produced = output.args[0]
     for name, index in flow.results.items():
-        value_node[name] = produced if index is None else produced[index]
+        value_node[name] = _result(produced, index)
     if outputs is None:
         returned = tuple(value_node[name] for name in flow.live_out)
         output.args = (returned[0] if len(returned) == 1 else returned,)
@@ -123,6 +123,14 @@ def to_chain_stage(
     return module
 
 
+def _result(produced: fx.node.Argument, index: int | None) -> fx.Node:
+    """One value a traced stage returns: its whole output (``index`` None) or one item of its output tuple."""
+    value = produced if index is None else produced[index] if isinstance(produced, (tuple, list)) else None
+    if not isinstance(value, fx.Node):
+        raise RuntimeError(f"traced stage output {produced} has no node at {index}. HINT: report this.")
+    return value
+
+
 def retarget_device(module: torch.nn.Module, device: torch.device) -> None:
     """Replace the ``meta`` device baked into traced ops (``torch.arange(n, device=x.device)``) by ``device``."""
 
@@ -132,7 +140,7 @@ def retarget_device(module: torch.nn.Module, device: torch.device) -> None:
             continue
         hits: list[torch.device] = []
 
-        def swap(arg: object, hits: list[torch.device] = hits) -> object:
+        def swap(arg: fx.node.Argument, hits: list[torch.device] = hits) -> fx.node.Argument:
             if isinstance(arg, torch.device) and arg.type == "meta":
                 hits.append(arg)
                 return device
@@ -142,7 +150,8 @@ def retarget_device(module: torch.nn.Module, device: torch.device) -> None:
             args, kwargs = fx.node.map_aggregate(node.args, swap), fx.node.map_aggregate(node.kwargs, swap)
             if hits:
                 node.args, node.kwargs = args, kwargs
+        finalize = getattr(sub, "finalize", None)
         if hits and isinstance(sub, fx.GraphModule):
             sub.recompile()
-        elif hits and hasattr(sub, "finalize"):
-            sub.finalize()  # InterpreterModule: rebuild its codegen fallback too
+        elif hits and callable(finalize):
+            finalize()  # InterpreterModule: rebuild its codegen fallback too

@@ -288,8 +288,11 @@ def _check_boundary(stage: nn.Module, name: str, next_block: str | None) -> None
 
 
 def _output_nodes(stage: nn.Module) -> list[torch.fx.Node]:
+    graph = stage.graph  # torch's split returns each stage as a GraphModule
+    if not isinstance(graph, torch.fx.Graph):
+        raise RuntimeError(f"{type(stage).__name__} is not a traced stage: it has no fx graph. HINT: report this.")
     found: list[torch.fx.Node] = []
-    torch.fx.node.map_arg(stage.graph.output_node().args, found.append)
+    torch.fx.node.map_arg(graph.output_node().args, found.append)
     return found
 
 
@@ -305,7 +308,8 @@ def _where(stack_trace: str) -> str:
 
 def _explain(name: str, error: Exception) -> str:
     """One line saying which construct of the forward torch could not trace, where, and what to do."""
-    chain, cause = [], error
+    chain: list[BaseException] = []
+    cause: BaseException | None = error
     while cause is not None:
         chain.append(cause)
         cause = cause.__cause__ or cause.__context__

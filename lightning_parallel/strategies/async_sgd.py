@@ -38,8 +38,8 @@ class _PushingOptimizer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._optimizer, name)
 
-    def step(self, closure: Callable[[], Any]) -> Any:
-        loss = closure()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = closure() if closure is not None else None
         self._exchange()
         return loss
 
@@ -81,7 +81,7 @@ class AsyncSGDStrategy(StepsAlone, DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        if len(self.optimizers) != 1 or not self.lightning_module.automatic_optimization:
+        if len(self.optimizers) != 1 or not self.module.automatic_optimization:
             raise ValueError(
                 f"AsyncSGDStrategy needs exactly one optimizer and automatic optimisation, got {len(self.optimizers)} "
                 "optimizer(s). HINT: return one optimizer from configure_optimizers"
@@ -108,12 +108,19 @@ class AsyncSGDStrategy(StepsAlone, DDPStrategy):
 
     @override
     def optimizer_step(
-        self, optimizer: Any, closure: Callable[[], Any], model: pl.LightningModule | None = None, **kwargs: Any
+        self,
+        optimizer: Any,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
     ) -> Any:
         if not self.exchanging:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         pushing = _PushingOptimizer(optimizer, partial(self._exchange, optimizer))
-        return self.precision_plugin.optimizer_step(pushing, model=model or self.lightning_module, closure=closure)
+        module = model or self.module
+        if not isinstance(module, pl.LightningModule):  # as Lightning's own Strategy.optimizer_step requires
+            raise TypeError(f"AsyncSGDStrategy steps a LightningModule, got {type(module).__name__}")
+        return self.precision_plugin.optimizer_step(pushing, model=module, closure=closure)
 
     def _exchange(self, optimizer: torch.optim.Optimizer) -> None:
         if all(p.grad is None for p in self._params):  # training_step returned None: nothing to push
@@ -145,7 +152,7 @@ class AsyncSGDStrategy(StepsAlone, DDPStrategy):
         dist.broadcast(header, SERVER_RANK)
         load_flat(self._params, flat)
         self._version = int(header.item())
-        average_([b for b in self.lightning_module.buffers() if b.is_floating_point()])
+        average_([b for b in self.module.buffers() if b.is_floating_point()])
 
     @override
     def on_validation_start(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from typing_extensions import override
@@ -30,6 +31,14 @@ class DDPStrategy(LightningDDPStrategy):
             timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         super().__init__(timeout=timeout, **kwargs)
 
+    @property
+    def module(self) -> pl.LightningModule:
+        """The LightningModule, which exists from set-up on (Lightning's `lightning_module` is typed Optional)."""
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError(f"{type(self).__name__} has no LightningModule before the Trainer sets it up")
+        return module
+
     def describe(self) -> dict[str, Any]:
         """summary.json's `parallel`: how the replicas agree (`sync_methods.SYNC_METHODS`), for the sweep report."""
         return {"kind": "ddp", "workers": self.world_size}
@@ -42,8 +51,7 @@ class DDPStrategy(LightningDDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        assert self.lightning_module is not None  # training has started
-        finish_restored_epoch(self.lightning_module.trainer)  # a second resume stays exact (seams.py says why)
+        finish_restored_epoch(self.module.trainer)  # a second resume stays exact (seams.py says why)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

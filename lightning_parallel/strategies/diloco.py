@@ -89,8 +89,7 @@ class DiLoCoStrategy(StepsAlone, DDPStrategy):
                 f"DiLoCoStrategy steps one inner optimizer, configure_optimizers returned {len(self.optimizers)}. "
                 "HINT: return one optimizer"
             )
-        module = self.lightning_module
-        assert module is not None  # set up for fitting
+        module = self.module
         self._outer = OuterLoop(
             ((name, p) for name, p in module.named_parameters() if p.requires_grad),
             buffers=((name, b) for name, b in module.named_buffers() if b.is_floating_point()),

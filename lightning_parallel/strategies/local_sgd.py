@@ -69,8 +69,7 @@ class LocalSGDStrategy(StepsAlone, DDPStrategy):
     def on_train_start(self) -> None:
         # A resumed fit continues the warm-up and averaging count where the checkpoint left it.
         super().on_train_start()
-        assert self.lightning_module is not None  # training has started
-        steps = self.lightning_module.trainer.global_step
+        steps = self.module.trainer.global_step
         if isinstance(self._ddp_comm_state, PostLocalSGDState) and self._model_averager is not None:
             self._ddp_comm_state.iter = steps
             self._model_averager.step = steps

@@ -246,7 +246,8 @@ class MeshProcesses(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        # as Lightning's DDPStrategy does: the rank is an attribute set on the (overloaded) function itself
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -14,38 +14,41 @@ from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_parallel.seams import private_method
+from lightning_parallel.strategies.ddp import DDPStrategy
 
 
-class StepsAlone(ParallelStrategy):
-    """Mixin, listed before the DDP strategy it modifies: no meeting of all ranks inside a training step."""
+class StepsAlone(DDPStrategy):
+    """Mixin, listed before the DDP strategy it modifies: no meeting of all ranks inside a training step.
+
+    A `DDPStrategy` itself, so that its `super()` calls and `module` resolve to DDP's, as they do at run time."""
 
     _alone = False  # set from the start to the end of training
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        loop = self.lightning_module.trainer.fit_loop.epoch_loop
+        loop = self.module.trainer.fit_loop.epoch_loop
         private_method(
             loop, "_broadcast_sigterm_tensor", library="lightning", why="train without meeting", parameters=0
         )
-        loop._broadcast_sigterm_tensor = partial(_local_sigterm, self.lightning_module.trainer)
+        # on the instance (what `loop.x = ...` does), where on_train_end pops it from
+        vars(loop)["_broadcast_sigterm_tensor"] = partial(_local_sigterm, self.module.trainer)
         self._alone = True
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        if self._alone and self.lightning_module.trainer.training:
+        if self._alone and self.module.trainer.training:
             return tensor  # this rank's own value: a reduction is a meeting of all ranks at every step
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
     def on_train_end(self) -> None:
         self._alone = False
-        vars(self.lightning_module.trainer.fit_loop.epoch_loop).pop("_broadcast_sigterm_tensor", None)
+        vars(self.module.trainer.fit_loop.epoch_loop).pop("_broadcast_sigterm_tensor", None)
         super().on_train_end()
 
 

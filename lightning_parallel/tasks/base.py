@@ -59,8 +59,9 @@ class Task(pl.LightningModule, ABC):
         self.model = model
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
-        self.val_metrics = MetricCollection(self.make_metrics(), prefix="val/")
-        self.test_metrics = MetricCollection(self.make_metrics(), prefix="test/")
+        # dict(): a copy typed as MetricCollection takes it (dict[str, Metric | MetricCollection]; dict is invariant)
+        self.val_metrics = MetricCollection(dict(self.make_metrics()), prefix="val/")
+        self.test_metrics = MetricCollection(dict(self.make_metrics()), prefix="test/")
 
     @abstractmethod
     def make_metrics(self) -> dict[str, Metric]:

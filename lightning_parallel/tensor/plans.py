@@ -148,6 +148,7 @@ def keep_gradients_sharded(model: nn.Module) -> list[RemovableHandle]:
 
 def _reshard_replicated_gradient(param: torch.Tensor) -> None:
     grad = param.grad
-    if isinstance(grad, DTensor) and grad.placements != param.placements:
+    # the hook is registered on DTensor parameters only
+    if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
         if all(isinstance(p, Replicate) for p in grad.placements):
-            param.grad = grad.redistribute(param.device_mesh, param.placements)  # type: ignore[attr-defined]
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
