@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_parallel.pipeline.partition import parameter_costs, split_by_cost
+from lightning_parallel.pipeline.balance import split_by_cost
+from lightning_parallel.pipeline.partition import parameter_costs
 from lightning_parallel.pipeline.traced import TracedNetwork, check_traceable, prune_children
 
 TOL = 1e-6

@@ -1,7 +1,7 @@
 """Measure each block's forward + backward time on a sample micro-batch, for balancing stages by time
 (as torchgpipe's balance_by_time did). Materialises one block at a time, so the whole model never exists.
 
-It only measures; the split itself is `partition.split_by_cost`.
+It only measures; the split itself is `balance.split_by_cost`.
 """
 
 from __future__ import annotations

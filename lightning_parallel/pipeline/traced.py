@@ -2,7 +2,8 @@
 ``torch.distributed.pipelining.pipeline``, and bind the traced stages to a rank's real, pruned network.
 
 Traces a meta-device copy, never the real weights: a rank may hold only its own blocks. No process groups,
-no schedules and no Lightning here; ``chain.py`` turns torch's split into neighbour-only stages.
+no schedules and no Lightning here; ``chain.py`` turns torch's split into neighbour-only stages. Over 300 lines:
+the one-line refusals for what the tracer cannot follow (naming the user's source line) sit beside the trace.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_parallel.pipeline.balance import split_explicit
 from lightning_parallel.pipeline.chain import retarget_device, stage_flows, to_chain_stage
-from lightning_parallel.pipeline.partition import split_explicit
 
 _SOURCE = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
 

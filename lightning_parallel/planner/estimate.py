@@ -1,7 +1,8 @@
 """Per-device memory and step time of one layout (data x pipeline x tensor, schedule, micro-batches) of a workload.
 
 Pure arithmetic over ``Workload`` figures, a ``Hardware`` and the schedule's unit-cost bubble; it enumerates no
-layouts (``search.py`` does) and measures nothing.
+layouts (``search.py`` does) and measures nothing. Over 300 lines: memory and time share one pass over each rank's
+blocks (``_Rank``); per-block checkpointing arithmetic already lives in ``checkpointing.py``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_parallel.pipeline.partition import split_by_cost
+from lightning_parallel.pipeline.balance import split_by_cost
 from lightning_parallel.pipeline.schedule_plan import resolve_schedule
 from lightning_parallel.planner.checkpointing import MODES as CHECKPOINTING
 from lightning_parallel.planner.checkpointing import checkpointed_kinds, kept_and_rematerialised, recompute_factor

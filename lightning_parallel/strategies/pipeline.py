@@ -96,7 +96,7 @@ class PipelineParallelStrategy(PipelinedStep):
         check_int(self, "tensor_parallel_size", tensor_parallel_size, example=2)
         check_plan_argument(self, plan)
         check_choice(self, "replicas", replicas, REPLICAS, example="replicate")
-        # block names per stage are checked against the network before launch (`partition.split_explicit`)
+        # block names per stage are checked against the network before launch (`balance.split_explicit`)
         explicit = isinstance(balance, Sequence) and not isinstance(balance, str)
         if not (balance is None or balance in BALANCES or explicit):
             expected = f"None, one of {', '.join(BALANCES)}, or block names per stage"
