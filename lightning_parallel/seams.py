@@ -44,11 +44,16 @@ def private_method(owner: object, name: str, *, library: str, why: str, paramete
     return method
 
 
-def shape_inference(schedule: object) -> Callable[..., Any]:
-    """torch.distributed.pipelining's first-step shape inference (`_initialize_pp_stages`), which runs an extra
-    forward that the runtime must keep from touching BatchNorm statistics and user code."""
-    return private_method(
-        schedule, "_initialize_pp_stages", library="torch", why="keep shape inference away from module buffers"
+def shape_inference(schedule: object) -> tuple[str, Callable[..., Any]]:
+    """The name and method of torch.distributed.pipelining's first-step shape inference, which runs an extra forward
+    that the runtime must keep from touching BatchNorm statistics and user code: `_initialize_pp_stages` from torch
+    2.12 on; in torch 2.11 `_initialize_stage` (single-stage schedules) or `_initialize_stages` (multi-stage)."""
+    for name in ("_initialize_pp_stages", "_initialize_stage", "_initialize_stages"):
+        method = getattr(schedule, name, None)
+        if callable(method):
+            return name, method
+    raise changed(
+        "torch", f"{type(schedule).__name__}._initialize_pp_stages", "keep shape inference away from module buffers"
     )
 
 
@@ -78,6 +83,19 @@ def action_order(schedule: object) -> dict[int, list[Any]]:
     if not isinstance(order, dict):
         raise changed("torch", f"{type(schedule).__name__}.pipeline_order_with_comms", "evaluate forward-only")
     return order
+
+
+def forward_actions() -> frozenset[Any]:
+    """The kinds of action a forward-only order keeps from an action-list schedule's: forward computations, their
+    sends and receives, FSDP's unshard / reshard, and from torch 2.15 on the waits that retire each forward send
+    (`WAIT_SEND_F`), which torch 2.15 checks every send has ("Pipeline sends have no matching wait")."""
+    from torch.distributed.pipelining import schedules
+
+    kinds = ("FORWARD", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")
+    for kind in kinds:
+        if not hasattr(schedules, kind):
+            raise changed("torch", f"torch.distributed.pipelining.schedules.{kind}", "evaluate forward-only")
+    return frozenset(getattr(schedules, kind) for kind in (*kinds, "WAIT_SEND_F") if hasattr(schedules, kind))
 
 
 def stage_backward_calls(stage: object) -> tuple[Callable[..., Any], Callable[..., Any]]:

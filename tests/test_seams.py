@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import Schedule1F1B
+from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleInterleaved1F1B
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_parallel import seams
@@ -25,8 +25,10 @@ from lightning_parallel.precision import AgreeingGradScaler
 from lightning_parallel.strategies.mesh_precision import MeshClipping, mesh_precision
 
 
-def test_the_pinned_torch_has_every_seam() -> None:
-    assert callable(seams.shape_inference(Schedule1F1B))
+def test_the_installed_torch_has_every_seam() -> None:
+    for schedule in (Schedule1F1B, ScheduleInterleaved1F1B):
+        name, infer = seams.shape_inference(schedule)
+        assert callable(infer) and name in ("_initialize_pp_stages", "_initialize_stage", "_initialize_stages")
     backward, weight = seams.stage_backward_calls(PipelineStage)
     assert callable(backward) and callable(weight)
     conv = nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")
@@ -36,6 +38,49 @@ def test_the_pinned_torch_has_every_seam() -> None:
 
 class _Gone:
     pass
+
+
+class _SingleStage211:  # torch 2.11's single- and multi-stage schedules: no _initialize_pp_stages yet
+    def _initialize_stage(self, args: Any, kwargs: Any) -> None: ...
+
+
+class _MultiStage211:
+    def _initialize_stages(self, args: Any, kwargs: Any) -> None: ...
+
+
+class _Both:  # torch 2.12 on: _initialize_stage(s) calls _initialize_pp_stages, the one shape inference itself
+    def _initialize_stage(self, args: Any, kwargs: Any) -> None: ...
+
+    def _initialize_pp_stages(self, stages: Any, args: Any, kwargs: Any, target: Any, fwd: bool, bwd: bool) -> None: ...
+
+
+@pytest.mark.parametrize(
+    ("schedule", "name"),
+    [
+        (_SingleStage211(), "_initialize_stage"),
+        (_MultiStage211(), "_initialize_stages"),
+        (_Both(), "_initialize_pp_stages"),
+    ],
+    ids=["2.11 single-stage", "2.11 multi-stage", "2.12 on"],
+)
+def test_shape_inference_is_found_in_each_supported_form(schedule: object, name: str) -> None:
+    found, method = seams.shape_inference(schedule)
+    assert found == name and method == getattr(schedule, name)
+
+
+@pytest.mark.parametrize("waits", [False, True], ids=["2.11 to 2.14", "2.15 on"])
+def test_forward_actions_keep_the_send_waits_where_torch_has_them(monkeypatch: Any, waits: bool) -> None:
+    from torch.distributed.pipelining import schedules
+
+    if waits:
+        monkeypatch.setattr(schedules, "WAIT_SEND_F", "WAIT_SEND_F", raising=False)
+    else:
+        monkeypatch.delattr(schedules, "WAIT_SEND_F", raising=False)
+    kinds = {schedules.FORWARD, schedules.SEND_F, schedules.RECV_F, schedules.UNSHARD, schedules.RESHARD}
+    assert seams.forward_actions() == kinds | ({"WAIT_SEND_F"} if waits else set())
+    monkeypatch.delattr(schedules, "RECV_F")
+    with pytest.raises(seams.SeamChanged, match="changed torch.distributed.pipelining.schedules.RECV_F"):
+        seams.forward_actions()
 
 
 class _Reshaped:
