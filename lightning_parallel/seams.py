@@ -85,6 +85,25 @@ def action_order(schedule: object) -> dict[int, list[Any]]:
     return order
 
 
+def skip_self_warmup(schedule: object, stages: list[Any], rank: int) -> None:
+    """Keep torch 2.11's first-step link warm-up from sending to this rank itself. Its schedules (those without
+    `_initialize_pp_stages`) send a tensor to each neighbouring stage (`PipelineStage._get_init_p2p_neighbors_ops`),
+    also where a V-shaped schedule (zbv, dualpipev) puts two adjacent stages on one rank, and gloo has no link to
+    itself ("Pair is not connected"); such a send and its receive are both on this rank, so both are dropped. From
+    torch 2.12 on the warm-up is a vote among other ranks only: nothing to do."""
+    if hasattr(schedule, "_initialize_pp_stages"):
+        return
+    for stage in stages:
+        ops = private_method(
+            stage, "_get_init_p2p_neighbors_ops", library="torch", why="warm up V-shaped schedules", parameters=0
+        )
+
+        def others(ops: Callable[[], list[Any]] = ops) -> list[Any]:
+            return [op for op in ops() if op.peer != rank]
+
+        stage._get_init_p2p_neighbors_ops = others
+
+
 def forward_actions() -> frozenset[Any]:
     """The kinds of action a forward-only order keeps from an action-list schedule's: forward computations, their
     sends and receives, FSDP's unshard / reshard, and from torch 2.15 on the waits that retire each forward send

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from importlib.metadata import version
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -66,6 +67,24 @@ class _Both:  # torch 2.12 on: _initialize_stage(s) calls _initialize_pp_stages,
 def test_shape_inference_is_found_in_each_supported_form(schedule: object, name: str) -> None:
     found, method = seams.shape_inference(schedule)
     assert found == name and method == getattr(schedule, name)
+
+
+class _Stage211:
+    def __init__(self, peers: list[int]) -> None:
+        self.peers = peers
+
+    def _get_init_p2p_neighbors_ops(self) -> list[Any]:
+        return [SimpleNamespace(peer=peer) for peer in self.peers]
+
+
+@pytest.mark.parametrize("schedule", [_MultiStage211(), _Both()], ids=["2.11", "2.12 on"])
+def test_the_warm_up_skips_sends_to_this_rank_on_torch_2_11(schedule: object) -> None:
+    stages = [_Stage211([0, 1]), _Stage211([1, 0])]  # a V on two ranks, seen from rank 1: stages 1 and 2
+    seams.skip_self_warmup(schedule, stages, rank=1)
+    kept = [[op.peer for op in stage._get_init_p2p_neighbors_ops()] for stage in stages]
+    assert kept == ([[0], [0]] if isinstance(schedule, _MultiStage211) else [[0, 1], [1, 0]])
+    with pytest.raises(seams.SeamChanged, match="_Gone._get_init_p2p_neighbors_ops"):
+        seams.skip_self_warmup(_MultiStage211(), [_Gone()], rank=1)
 
 
 @pytest.mark.parametrize("waits", [False, True], ids=["2.11 to 2.14", "2.15 on"])

@@ -17,7 +17,7 @@ from torch.distributed.pipelining.schedules import OVERLAP_F_B, PipelineSchedule
 from lightning_parallel.pipeline.microbatches import PlansUsed, PlanUsed, plan_microbatches
 from lightning_parallel.pipeline.schedule_plan import resolve_schedule
 from lightning_parallel.pipeline.timing import StageTimer
-from lightning_parallel.seams import action_order, forward_actions, shape_inference
+from lightning_parallel.seams import action_order, forward_actions, shape_inference, skip_self_warmup
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # One micro-batch of the network's inputs -> this rank's stage modules for that shape (traced networks).
@@ -185,6 +185,7 @@ class PipelineRuntime:
                 schedule = spec.torch_class(stages[0], n_microbatches=count, loss_fn=loss_fn)
             else:
                 schedule = spec.torch_class(stages, n_microbatches=count, loss_fn=loss_fn)
+            skip_self_warmup(schedule, stages, dist.get_rank())
             if not training:
                 drop_backward_actions(schedule)
             guard_metadata_inference(schedule, list(modules.values()), self._inferring)
