@@ -1,8 +1,8 @@
 """The private parts of torch and Lightning this project relies on, each reached through one function here.
 
-Each function checks that the part is still there and has the shape assumed, and otherwise fails with one line
-naming the part, the installed version and the version tested, instead of a silent wrong result or an
-AttributeError deep inside a run. This is why torch is pinned to one version; a new version starts here.
+Each function knows the part's form in every supported version, checks that it is there, and otherwise fails with
+one line naming the part, the installed version, the versions tested and the supported range, instead of a silent
+wrong result or an AttributeError deep inside a run. A new torch version starts here (`make test-torch TORCH=...`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
-TESTED = {"torch": "2.13.0", "lightning": "2.6.6"}
+# The versions the whole suite passed on (README, "Torch versions"), and the ranges pyproject.toml declares.
+TESTED = {"torch": ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"), "lightning": ("2.6.6",)}
+SUPPORTED = {"torch": ">=2.11,<2.16", "lightning": ">=2.6,<2.7"}
 
 
 class SeamChanged(RuntimeError):
@@ -29,7 +31,7 @@ def changed(library: str, part: str, why: str) -> SeamChanged:
         installed = "not installed"
     return SeamChanged(
         f"{library} {installed} changed {part}, which lightning_parallel relies on to {why} (tested with "
-        f"{library} {TESTED[library]}). HINT: pip install {library}=={TESTED[library]}, or adapt "
+        f"{library} {', '.join(TESTED[library])}). HINT: pip install '{library}{SUPPORTED[library]}', or adapt "
         f"lightning_parallel/seams.py"
     )
 
