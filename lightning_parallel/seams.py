@@ -1,8 +1,8 @@
 """The private parts of torch and Lightning this project relies on, each reached through one function here.
 
-Each function checks that the part is still there and has the shape assumed, and otherwise fails with one line
-naming the part, the installed version and the version tested, instead of a silent wrong result or an
-AttributeError deep inside a run. This is why torch is pinned to one version; a new version starts here.
+Each function knows the part's form in every supported version, checks that it is there, and otherwise fails with
+one line naming the part, the installed version, the versions tested and the supported range, instead of a silent
+wrong result or an AttributeError deep inside a run. A new torch version starts here (`make test-torch TORCH=...`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
-TESTED = {"torch": "2.13.0", "lightning": "2.6.6"}
+# The versions the whole suite passed on (README, "Torch versions"), and the ranges pyproject.toml declares.
+TESTED = {"torch": ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"), "lightning": ("2.6.6",)}
+SUPPORTED = {"torch": ">=2.11,<2.16", "lightning": ">=2.6,<2.7"}
 
 
 class SeamChanged(RuntimeError):
@@ -29,7 +31,7 @@ def changed(library: str, part: str, why: str) -> SeamChanged:
         installed = "not installed"
     return SeamChanged(
         f"{library} {installed} changed {part}, which lightning_parallel relies on to {why} (tested with "
-        f"{library} {TESTED[library]}). HINT: pip install {library}=={TESTED[library]}, or adapt "
+        f"{library} {', '.join(TESTED[library])}). HINT: pip install '{library}{SUPPORTED[library]}', or adapt "
         f"lightning_parallel/seams.py"
     )
 
@@ -44,11 +46,16 @@ def private_method(owner: object, name: str, *, library: str, why: str, paramete
     return method
 
 
-def shape_inference(schedule: object) -> Callable[..., Any]:
-    """torch.distributed.pipelining's first-step shape inference (`_initialize_pp_stages`), which runs an extra
-    forward that the runtime must keep from touching BatchNorm statistics and user code."""
-    return private_method(
-        schedule, "_initialize_pp_stages", library="torch", why="keep shape inference away from module buffers"
+def shape_inference(schedule: object) -> tuple[str, Callable[..., Any]]:
+    """The name and method of torch.distributed.pipelining's first-step shape inference, which runs an extra forward
+    that the runtime must keep from touching BatchNorm statistics and user code: `_initialize_pp_stages` from torch
+    2.12 on; in torch 2.11 `_initialize_stage` (single-stage schedules) or `_initialize_stages` (multi-stage)."""
+    for name in ("_initialize_pp_stages", "_initialize_stage", "_initialize_stages"):
+        method = getattr(schedule, name, None)
+        if callable(method):
+            return name, method
+    raise changed(
+        "torch", f"{type(schedule).__name__}._initialize_pp_stages", "keep shape inference away from module buffers"
     )
 
 
@@ -78,6 +85,38 @@ def action_order(schedule: object) -> dict[int, list[Any]]:
     if not isinstance(order, dict):
         raise changed("torch", f"{type(schedule).__name__}.pipeline_order_with_comms", "evaluate forward-only")
     return order
+
+
+def skip_self_warmup(schedule: object, stages: list[Any], rank: int) -> None:
+    """Keep torch 2.11's first-step link warm-up from sending to this rank itself. Its schedules (those without
+    `_initialize_pp_stages`) send a tensor to each neighbouring stage (`PipelineStage._get_init_p2p_neighbors_ops`),
+    also where a V-shaped schedule (zbv, dualpipev) puts two adjacent stages on one rank, and gloo has no link to
+    itself ("Pair is not connected"); such a send and its receive are both on this rank, so both are dropped. From
+    torch 2.12 on the warm-up is a vote among other ranks only: nothing to do."""
+    if hasattr(schedule, "_initialize_pp_stages"):
+        return
+    for stage in stages:
+        ops = private_method(
+            stage, "_get_init_p2p_neighbors_ops", library="torch", why="warm up V-shaped schedules", parameters=0
+        )
+
+        def others(ops: Callable[[], list[Any]] = ops) -> list[Any]:
+            return [op for op in ops() if op.peer != rank]
+
+        stage._get_init_p2p_neighbors_ops = others
+
+
+def forward_actions() -> frozenset[Any]:
+    """The kinds of action a forward-only order keeps from an action-list schedule's: forward computations, their
+    sends and receives, FSDP's unshard / reshard, and from torch 2.15 on the waits that retire each forward send
+    (`WAIT_SEND_F`), which torch 2.15 checks every send has ("Pipeline sends have no matching wait")."""
+    from torch.distributed.pipelining import schedules
+
+    kinds = ("FORWARD", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")
+    for kind in kinds:
+        if not hasattr(schedules, kind):
+            raise changed("torch", f"torch.distributed.pipelining.schedules.{kind}", "evaluate forward-only")
+    return frozenset(getattr(schedules, kind) for kind in (*kinds, "WAIT_SEND_F") if hasattr(schedules, kind))
 
 
 def stage_backward_calls(stage: object) -> tuple[Callable[..., Any], Callable[..., Any]]:

@@ -1,11 +1,12 @@
-"""The private parts of torch and Lightning we rely on (`lightning_parallel.seams`): each check passes on the pinned
+"""The private parts of torch and Lightning we rely on (`lightning_parallel.seams`): each check passes on the tested
 versions and fails with one line naming the part and the fix when the part is gone or changed shape; the precision
 plugin the strategies use is the user's own, re-classed, with an overflow-agreeing GradScaler."""
 
 from __future__ import annotations
 
-from importlib.metadata import version
+from importlib.metadata import requires, version
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -14,9 +15,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import Schedule1F1B
+from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleInterleaved1F1B
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_parallel import seams
@@ -25,8 +29,19 @@ from lightning_parallel.precision import AgreeingGradScaler
 from lightning_parallel.strategies.mesh_precision import MeshClipping, mesh_precision
 
 
-def test_the_pinned_torch_has_every_seam() -> None:
-    assert callable(seams.shape_inference(Schedule1F1B))
+def test_the_installed_torch_is_a_tested_one_in_the_declared_range() -> None:
+    """A version the suite has not passed on is not supported: a new one goes into `seams.TESTED` once it passes."""
+    declared = {r.name: r.specifier for r in map(Requirement, requires("lightning_parallel") or [])}
+    for library in ("torch", "lightning"):
+        assert declared[library] == SpecifierSet(seams.SUPPORTED[library])
+        assert all(Version(v) in declared[library] for v in seams.TESTED[library])
+    assert Version(version("torch")).base_version in seams.TESTED["torch"]
+
+
+def test_the_installed_torch_has_every_seam() -> None:
+    for schedule in (Schedule1F1B, ScheduleInterleaved1F1B):
+        name, infer = seams.shape_inference(schedule)
+        assert callable(infer) and name in ("_initialize_pp_stages", "_initialize_stage", "_initialize_stages")
     backward, weight = seams.stage_backward_calls(PipelineStage)
     assert callable(backward) and callable(weight)
     conv = nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")
@@ -36,6 +51,67 @@ def test_the_pinned_torch_has_every_seam() -> None:
 
 class _Gone:
     pass
+
+
+class _SingleStage211:  # torch 2.11's single- and multi-stage schedules: no _initialize_pp_stages yet
+    def _initialize_stage(self, args: Any, kwargs: Any) -> None: ...
+
+
+class _MultiStage211:
+    def _initialize_stages(self, args: Any, kwargs: Any) -> None: ...
+
+
+class _Both:  # torch 2.12 on: _initialize_stage(s) calls _initialize_pp_stages, the one shape inference itself
+    def _initialize_stage(self, args: Any, kwargs: Any) -> None: ...
+
+    def _initialize_pp_stages(self, stages: Any, args: Any, kwargs: Any, target: Any, fwd: bool, bwd: bool) -> None: ...
+
+
+@pytest.mark.parametrize(
+    ("schedule", "name"),
+    [
+        (_SingleStage211(), "_initialize_stage"),
+        (_MultiStage211(), "_initialize_stages"),
+        (_Both(), "_initialize_pp_stages"),
+    ],
+    ids=["2.11 single-stage", "2.11 multi-stage", "2.12 on"],
+)
+def test_shape_inference_is_found_in_each_supported_form(schedule: object, name: str) -> None:
+    found, method = seams.shape_inference(schedule)
+    assert found == name and method == getattr(schedule, name)
+
+
+class _Stage211:
+    def __init__(self, peers: list[int]) -> None:
+        self.peers = peers
+
+    def _get_init_p2p_neighbors_ops(self) -> list[Any]:
+        return [SimpleNamespace(peer=peer) for peer in self.peers]
+
+
+@pytest.mark.parametrize("schedule", [_MultiStage211(), _Both()], ids=["2.11", "2.12 on"])
+def test_the_warm_up_skips_sends_to_this_rank_on_torch_2_11(schedule: object) -> None:
+    stages = [_Stage211([0, 1]), _Stage211([1, 0])]  # a V on two ranks, seen from rank 1: stages 1 and 2
+    seams.skip_self_warmup(schedule, stages, rank=1)
+    kept = [[op.peer for op in stage._get_init_p2p_neighbors_ops()] for stage in stages]
+    assert kept == ([[0], [0]] if isinstance(schedule, _MultiStage211) else [[0, 1], [1, 0]])
+    with pytest.raises(seams.SeamChanged, match="_Gone._get_init_p2p_neighbors_ops"):
+        seams.skip_self_warmup(_MultiStage211(), [_Gone()], rank=1)
+
+
+@pytest.mark.parametrize("waits", [False, True], ids=["2.11 to 2.14", "2.15 on"])
+def test_forward_actions_keep_the_send_waits_where_torch_has_them(monkeypatch: Any, waits: bool) -> None:
+    from torch.distributed.pipelining import schedules
+
+    if waits:
+        monkeypatch.setattr(schedules, "WAIT_SEND_F", "WAIT_SEND_F", raising=False)
+    else:
+        monkeypatch.delattr(schedules, "WAIT_SEND_F", raising=False)
+    kinds = {schedules.FORWARD, schedules.SEND_F, schedules.RECV_F, schedules.UNSHARD, schedules.RESHARD}
+    assert seams.forward_actions() == kinds | ({"WAIT_SEND_F"} if waits else set())
+    monkeypatch.delattr(schedules, "RECV_F")
+    with pytest.raises(seams.SeamChanged, match="changed torch.distributed.pipelining.schedules.RECV_F"):
+        seams.forward_actions()
 
 
 class _Reshaped:
@@ -59,7 +135,8 @@ def test_a_changed_seam_is_named_in_one_line(check: Any, part: str) -> None:
     message = str(error.value)
     assert "\n" not in message
     assert message.startswith(f"torch {version('torch')} changed {part}")
-    assert "tested with torch 2.13.0" in message and "HINT: pip install torch==2.13.0" in message
+    assert "tested with torch 2.11.0, 2.12.1, 2.13.0, 2.14.1, 2.15.0" in message
+    assert message.endswith("HINT: pip install 'torch>=2.11,<2.16', or adapt lightning_parallel/seams.py")
 
 
 @pytest.fixture

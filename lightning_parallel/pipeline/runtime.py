@@ -12,21 +12,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    FORWARD,
-    OVERLAP_F_B,
-    RECV_F,
-    RESHARD,
-    SEND_F,
-    UNSHARD,
-    PipelineScheduleSingle,
-    _PipelineScheduleRuntime,
-)
+from torch.distributed.pipelining.schedules import OVERLAP_F_B, PipelineScheduleSingle, _PipelineScheduleRuntime
 
 from lightning_parallel.pipeline.microbatches import PlansUsed, PlanUsed, plan_microbatches
 from lightning_parallel.pipeline.schedule_plan import resolve_schedule
 from lightning_parallel.pipeline.timing import StageTimer
-from lightning_parallel.seams import action_order, shape_inference
+from lightning_parallel.seams import action_order, forward_actions, shape_inference, skip_self_warmup
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # One micro-batch of the network's inputs -> this rank's stage modules for that shape (traced networks).
@@ -66,13 +57,13 @@ def put_gradients(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor |
 def guard_metadata_inference(schedule: object, modules: Sequence[nn.Module], inferring: list[bool]) -> None:
     """Undo what torch's shape inference does to module buffers, and flag it while it runs.
 
-    On the first step of a schedule (torch 2.13), every stage runs one extra forward to infer shapes,
-    on the first micro-batch at stage 0 and on uninitialised memory elsewhere, and the last stage calls the
-    loss on that output with the whole target. BatchNorm running statistics would silently absorb the forward,
+    On the first step of a schedule, every stage runs one extra forward to infer shapes, on the first
+    micro-batch at stage 0 and on uninitialised memory elsewhere, and (from torch 2.12 on) the last stage calls
+    the loss on that output with the whole target. BatchNorm running statistics would silently absorb the forward,
     so buffers are saved before that step and restored after it; `inferring[0]` is True meanwhile, so the
     loss can skip user code that must see each real micro-batch exactly once.
     """
-    infer = shape_inference(schedule)
+    name, infer = shape_inference(schedule)
     buffers = [b for module in modules for b in module.buffers()]
 
     def guarded(*args: object, **kwargs: object) -> object:
@@ -86,7 +77,7 @@ def guard_metadata_inference(schedule: object, modules: Sequence[nn.Module], inf
                 for buffer, value in zip(buffers, saved, strict=True):
                     buffer.copy_(value)
 
-    schedule._initialize_pp_stages = guarded  # type: ignore[attr-defined]
+    setattr(schedule, name, guarded)
 
 
 def drop_backward_actions(schedule: object) -> None:
@@ -94,13 +85,13 @@ def drop_backward_actions(schedule: object) -> None:
 
     torch's action-list schedules (looped BFS, interleaved, zero-bubble, DualPipeV) still walk their backward
     actions when built without a loss, and the split-backward ones then fail ("can't steal_bwd_input if this
-    stage doesn't have backward"). Each rank keeps its forward computations, forward sends and receives in
-    their order (the forward halves of DualPipeV's overlapped pairs included): removing actions that wait can
-    not add a deadlock to an order that had none.
+    stage doesn't have backward"). Each rank keeps the forward actions (`seams.forward_actions`) in their order
+    (the forward halves of DualPipeV's overlapped pairs included): removing actions that wait can not add a
+    deadlock to an order that had none.
     """
     if not isinstance(schedule, _PipelineScheduleRuntime):
         return  # single-stage schedules skip the backward themselves when there is no loss
-    keep = {FORWARD, SEND_F, RECV_F, UNSHARD, RESHARD}
+    keep = forward_actions()
     order = action_order(schedule)
     for rank, actions in order.items():
         flat = []
@@ -194,6 +185,7 @@ class PipelineRuntime:
                 schedule = spec.torch_class(stages[0], n_microbatches=count, loss_fn=loss_fn)
             else:
                 schedule = spec.torch_class(stages, n_microbatches=count, loss_fn=loss_fn)
+            skip_self_warmup(schedule, stages, dist.get_rank())
             if not training:
                 drop_backward_actions(schedule)
             guard_metadata_inference(schedule, list(modules.values()), self._inferring)
