@@ -7,6 +7,7 @@ Knows nothing about Lightning: the strategy decides when to call it and what to 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -94,7 +95,7 @@ def drop_backward_actions(schedule: object) -> None:
     keep = forward_actions()
     order = action_order(schedule)
     for rank, actions in order.items():
-        flat = []
+        flat: list[Any] = []
         for action in actions:
             parts = action.sub_actions if action.computation_type == OVERLAP_F_B else [action]
             flat.extend(a for a in parts if a.computation_type in keep)
@@ -181,10 +182,11 @@ class PipelineRuntime:
             ]
             self.timer.watch_stages(stages)
             loss_fn = self._loss if training else None
-            if issubclass(spec.torch_class, PipelineScheduleSingle):
-                schedule = spec.torch_class(stages[0], n_microbatches=count, loss_fn=loss_fn)
+            schedule_class: Any = spec.torch_class  # a single- or multi-stage torch schedule class, by name
+            if issubclass(schedule_class, PipelineScheduleSingle):
+                schedule = schedule_class(stages[0], n_microbatches=count, loss_fn=loss_fn)
             else:
-                schedule = spec.torch_class(stages, n_microbatches=count, loss_fn=loss_fn)
+                schedule = schedule_class(stages, n_microbatches=count, loss_fn=loss_fn)
             skip_self_warmup(schedule, stages, dist.get_rank())
             if not training:
                 drop_backward_actions(schedule)
