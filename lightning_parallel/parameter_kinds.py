@@ -13,11 +13,17 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-# torch optimizers whose update DTensor cannot run on a sharded parameter (torch 2.11 to 2.15, any kernel), and why.
-CANNOT_STEP_SHARDS: dict[str, str] = {
-    "Rprop": "its update writes into the parameter through a mask (index_put_)",
-    "Adafactor": "its update factors each gradient into row and column norms in place",
+# torch optimizers whose update DTensor cannot run on a sharded parameter, why, and the first torch that can (None:
+# none of 2.11 to 2.15). Rprop's masked write (index_put_) runs on shards from torch 2.15 on.
+CANNOT_STEP_SHARDS: dict[str, tuple[str, tuple[int, int] | None]] = {
+    "Rprop": ("its update writes into the parameter through a mask (index_put_)", (2, 15)),
+    "Adafactor": ("its update factors each gradient into row and column norms in place", None),
 }
+
+
+def _refused_here(name: str) -> bool:
+    fixed_in = CANNOT_STEP_SHARDS[name][1]
+    return fixed_in is None or tuple(int(part) for part in torch.__version__.split(".")[:2]) < fixed_in
 
 
 def kind(tensor: torch.Tensor) -> Hashable:
@@ -87,12 +93,14 @@ class OptimizerRefused(ValueError):
 def refuse_unsteppable(optimizer: torch.optim.Optimizer) -> None:
     """One line, before the first step, for an optimizer listed in CANNOT_STEP_SHARDS over sharded parameters
     (DTensor would stop it mid-step, on every rank, with an error about placements)."""
-    name = next((n for n in CANNOT_STEP_SHARDS if isinstance(optimizer, getattr(torch.optim, n, ()))), None)
+    listed = (n for n in CANNOT_STEP_SHARDS if _refused_here(n))
+    name = next((n for n in listed if isinstance(optimizer, getattr(torch.optim, n, ()))), None)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     sharded = [p for p in params if isinstance(p, DTensor) and any(isinstance(s, Shard) for s in p.placements)]
     if name is not None and sharded:
         raise OptimizerRefused(
             f"torch.optim.{name} cannot update tensor-parallel (sharded) parameters: "
-            f"{CANNOT_STEP_SHARDS[name]}, which DTensor cannot do on a shard. HINT: use Adam, AdamW, SGD, Adagrad, "
-            "RMSprop, NAdam or RAdam (foreach and fused work), or train without tensor parallelism"
+            f"{CANNOT_STEP_SHARDS[name][0]}, which DTensor cannot do on a shard in torch {torch.__version__}. "
+            "HINT: use Adam, AdamW, SGD, Adagrad, RMSprop, NAdam or RAdam (foreach and fused work), or train without "
+            "tensor parallelism"
         )
