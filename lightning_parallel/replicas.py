@@ -17,6 +17,8 @@ def average_(tensors: Sequence[Tensor], group: dist.ProcessGroup | None = None) 
     """Replace each tensor by its mean over `group` (None: the default group): one float32 all-reduce per device,
     so low-precision values are summed without rounding each partial sum."""
     size = dist.get_world_size(group)
+    if size == 1:  # the mean of one replica is itself: no copy, no collective
+        return
     buckets: dict[torch.device, list[Tensor]] = {}
     for tensor in tensors:
         buckets.setdefault(tensor.device, []).append(tensor)
@@ -31,6 +33,8 @@ def average_(tensors: Sequence[Tensor], group: dist.ProcessGroup | None = None) 
 @torch.no_grad()
 def broadcast_module(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Give every rank of `group` (None: all) the parameters and buffers of the group's first rank."""
+    if dist.get_world_size(group) == 1:
+        return
     source = dist.get_global_rank(group, 0) if group is not None else 0
     for tensor in [*module.parameters(), *module.buffers()]:
         dist.broadcast(tensor.data, src=source, group=group)

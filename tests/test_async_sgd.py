@@ -34,7 +34,8 @@ def test_negative_staleness_bound_is_one_line(compose_cfg) -> None:  # noqa: ANN
 
 
 @pytest.mark.slow
-def test_one_worker_is_one_plain_process(tmp_path: Path) -> None:
+def test_one_worker_through_the_server_is_one_plain_process(tmp_path: Path) -> None:
+    """The server path, forced on for one worker (the strategy skips it there), steps exactly like one process."""
     [result] = run_workers("async_sgd", 1, {"scenario": "parity"}, tmp_path, timeout=60)
     plain, asynchronous = torch.tensor(result["plain_losses"]), torch.tensor(result["async_losses"])
     assert len(plain) == len(asynchronous) == 20

@@ -23,18 +23,23 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 STEPS = 6
 # Degree 1 of each: the same maths as one device (no DTensor at tp=1, no schedule or micro-batches at pp=1).
 SAME_MATHS = ["tensor", "pipeline", "ddp", "local_sgd", "diloco", "async_sgd"]
+DDP_FAMILY = {"ddp", "local_sgd", "diloco", "async_sgd"}
 
 
 def test_the_one_device_worker_itself_runs_on_cpu(tmp_path: Path) -> None:
-    """CI has no GPU: this keeps the GPU tests' worker from rotting unseen (two steps, fp32); at degree 1 the tensor
-    and pipeline strategies run the same maths as one device, exactly, on plain tensors."""
-    names = ("auto", "tensor", "pipeline")
+    """CI has no GPU: this keeps the GPU tests' worker from rotting unseen (two steps, fp32). At degree 1 every
+    strategy runs the same maths as one device, exactly, and adds nothing to the step: no DTensor, no DDP wrapper,
+    no parameter server or averaging (the summary's `collectives` is false)."""
+    names = ("auto", *SAME_MATHS)
     configs = [{"strategy": name, "precision": "32-true", "steps": 2, "accelerator": "cpu"} for name in names]
     auto, *others = run_workers("gpu_one_device", 1, configs, tmp_path, timeout=300)[0]
     assert auto["moved"] > 0, auto.get("error")
     for name, run in zip(names[1:], others, strict=True):
         assert run["losses"] == auto["losses"], (name, run.get("error"))
         assert run["dtensors"] == 0  # no one-rank DTensor dispatch in the step
+        assert not run["ddp_wrapped"], name  # no all-reduce of every gradient with itself
+        if name in DDP_FAMILY:  # summary.json says so; async SGD starts no parameter server
+            assert run["parallel"]["collectives"] is False and "server" not in run["parallel"], name
 
 
 @pytest.fixture(scope="module")

@@ -188,8 +188,8 @@ def test_each_method_describes_itself_for_summary_json() -> None:
     """summary.json's `parallel` names the method (a row of `sync_methods.SYNC_METHODS`) and its period, which the
     sweep report's comparison reads."""
     local, diloco = LocalSGDStrategy(period=4, warmup_steps=2), DiLoCoStrategy(period=10)
-    assert local.describe() == {"kind": "local_sgd", "workers": 1, "period": 4, "warmup_steps": 2}
-    assert diloco.describe() == {"kind": "diloco", "workers": 1, "period": 10}
+    assert local.describe() == {"kind": "local_sgd", "workers": 1, "collectives": False, "period": 4, "warmup_steps": 2}
+    assert diloco.describe() == {"kind": "diloco", "workers": 1, "collectives": False, "period": 10}
     assert {local.describe()["kind"], diloco.describe()["kind"]} <= set(SYNC_METHODS)
 
 

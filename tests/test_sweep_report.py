@@ -57,7 +57,7 @@ def test_report_of_a_real_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[st
     )
     assert (ddp["overrides"], ddp["strategy"], ddp["devices"]) == ("strategy=ddp", "DDPStrategy", "2")
     summaries = {job.name: job.summary for job in load_jobs(sweep)}
-    assert summaries["1"]["parallel"] == {"kind": "ddp", "workers": 2}  # type: ignore[index]
+    assert summaries["1"]["parallel"] == {"kind": "ddp", "workers": 2, "collectives": True}  # type: ignore[index]
     for name, row in rows.items():
         summary: dict[str, Any] = summaries[name]  # type: ignore[assignment]
         assert row["final train/loss"] == f"{summary['metrics']['train/loss']['final']:.4g}"

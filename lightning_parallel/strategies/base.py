@@ -35,12 +35,13 @@ from lightning_parallel.seams import changed, fused_steps_on_dtensor
 from lightning_parallel.strategies.arguments import check_choice, reject
 from lightning_parallel.strategies.mesh_precision import mesh_precision
 from lightning_parallel.strategies.mesh_processes import DEFAULT_TIMEOUT
+from lightning_parallel.strategies.module_access import ModuleAccess
 from lightning_parallel.strategies.sharded_checkpoints import OPTIMIZER_OPTIONS, ShardedCheckpoints
 
 __all__ = ["DEFAULT_TIMEOUT", "OPTIMIZER_OPTIONS", "MeshStrategy"]
 
 
-class MeshStrategy(ShardedCheckpoints):
+class MeshStrategy(ModuleAccess, ShardedCheckpoints):
     """A multi-process strategy over one DeviceMesh with named dimensions ("dp", "pp", "tp"), set up in one order.
 
     Args:
@@ -160,14 +161,6 @@ class MeshStrategy(ShardedCheckpoints):
     def counted_elsewhere(self) -> set[int]:
         """Ids of parameters another rank of `norm_group` also holds and counts (tied weights)."""
         return set()
-
-    @property
-    def module(self) -> pl.LightningModule:
-        """The LightningModule, which exists from set-up on (Lightning's `lightning_module` is typed Optional)."""
-        module = self.lightning_module
-        if module is None:
-            raise RuntimeError(f"{type(self).__name__} has no LightningModule before the Trainer sets it up")
-        return module
 
     def first_batch(self, trainer: pl.Trainer) -> Any:
         """The first batch of the dataloader the running trainer function uses (fit: training)."""
