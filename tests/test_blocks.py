@@ -27,8 +27,11 @@ def tiny_gpt() -> GPT:
     return GPT(vocab_size=VOCAB, context_length=8, depth=2, width=16, heads=2, dropout=0.1)  # dropout: RNG replayed
 
 
-def train(network: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, steps: int = 3) -> dict[str, Any]:
-    """SGD steps; the losses, the final weights by name, and how many tensors autograd kept for backward."""
+def train(
+    network: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, steps: int = 3, *, bf16: bool = False
+) -> dict[str, Any]:
+    """SGD steps (the forward under bf16 autocast, as Lightning's bf16-mixed runs it, when `bf16`); the losses, the
+    final weights by name, and how many tensors autograd kept for backward."""
     optimizer = torch.optim.SGD(network.parameters(), lr=0.1)
     losses, kept = [], [0]
 
@@ -38,7 +41,10 @@ def train(network: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, steps
 
     torch.manual_seed(1)
     for _ in range(steps):
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16),
+        ):
             output = network(inputs)
             loss = nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1))
         loss.backward()
@@ -125,6 +131,26 @@ def test_compile_over_checkpointed_blocks_is_exact(eager: dict, tokens: tuple) -
     compile_blocks(blocks, {"backend": "aot_eager"})  # dynamo and AOTAutograd without code generation: no rounding
     run = train(network, *tokens)
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(eager["losses"]), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_under_bf16_autocast_checkpointing_is_exact_and_compile_composes(tokens: tuple, mode: str) -> None:
+    """What GPUs run (bf16-mixed) but CPU tests did not: the recomputation replays autocast's casts exactly, and a
+    compiled checkpointed block keeps to eager bf16 within bf16's rounding."""
+    reference = train(tiny_gpt(), *tokens, bf16=True)
+    network = tiny_gpt()
+    checkpoint_activations(blocks_of(network), mode)
+    run = train(network, *tokens, bf16=True)
+    assert run["losses"] == reference["losses"], mode
+    for name, value in run["state"].items():
+        assert torch.equal(value, reference["state"][name]), name
+    assert run["kept"] < reference["kept"]
+    network = tiny_gpt()
+    blocks = blocks_of(network)
+    checkpoint_activations(blocks, mode)
+    compile_blocks(blocks, {"backend": "aot_eager"})
+    compiled = train(network, *tokens, bf16=True)
+    torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=1e-2)
 
 
 def test_batchnorm_under_activation_checkpointing_is_refused_in_one_line() -> None:
