@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from measure import machine, overhead_arguments, worker_args, write_results
 from pipeline_overhead import PROBE, compare, merge_ranks, probe_schedules
-from ranks import bare_trainer, launch
+from ranks import bare_trainer, batch_loader, launch
 from tensor_overhead import (
     BATCH,
     CONTEXT,
@@ -37,7 +37,6 @@ from tensor_overhead import (
     LR,
     VOCAB,
     WIDTH,
-    BatchList,
     MinimalTask,
     build_network,
     lm_loss,
@@ -140,7 +139,7 @@ def run_strategy(state: dict, batches: list, total: int) -> dict[str, Any]:
     )
     trainer = bare_trainer(strategy, PP * TP, total, [LossTimer()])
     task = MinimalTask(build_network(state))
-    loader = torch.utils.data.DataLoader(BatchList(batches, total), batch_size=None, shuffle=False)
+    loader = batch_loader(batches, total)
     begin_run()
     trainer.fit(task, train_dataloaders=loader)
     described = strategy.describe()

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from measure import LoadMeter, machine, stats_ms
-from pipeline_overhead import BATCH, BLOCKS, LR, BatchList, RegressionTask, build_network, make_batches
-from ranks import bare_trainer, launch
+from pipeline_overhead import BATCH, BLOCKS, LR, RegressionTask, build_network, make_batches
+from ranks import bare_trainer, batch_loader, launch
 from torch import nn
 
 from lightning_parallel import PipelineParallelStrategy
@@ -62,7 +62,7 @@ def run_strategy(schedule: str, m: int, state: dict, batches: list, total: int) 
     window = StepWindow()
     trainer = bare_trainer(strategy, PP, total, [window])
     task = RegressionTask(build_network(state))
-    loader = torch.utils.data.DataLoader(BatchList(batches, total), batch_size=None, shuffle=False)
+    loader = batch_loader(batches, total)
     cpu = time.process_time()
     trainer.fit(task, train_dataloaders=loader)
     timer = strategy.runtime.timer

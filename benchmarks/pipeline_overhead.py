@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from measure import busy_cpu_seconds, machine, overhead_arguments, stats_ms, worker_args, write_results
-from ranks import bare_trainer, launch
+from ranks import bare_trainer, batch_loader, launch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
@@ -84,19 +84,6 @@ class RegressionTask(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=LR)
-
-
-class BatchList(torch.utils.data.Dataset):
-    """Item i is whole batch i % 4, for DataLoader(batch_size=None): no collation anywhere."""
-
-    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
-        self.batches, self.length = batches, length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.batches[index % len(self.batches)]
 
 
 # ---- timed runs (inside each rank) ---------------------------------------------------------------
@@ -181,7 +168,7 @@ def run_strategy(schedule: str, m: int, state: dict, batches: list, total: int) 
     strategy = PipelineParallelStrategy(schedule=schedule, microbatches=m, timeout=300)
     trainer = bare_trainer(strategy, PP, total, [StepTimer()])
     task = RegressionTask(build_network(state))
-    loader = torch.utils.data.DataLoader(BatchList(batches, total), batch_size=None, shuffle=False)
+    loader = batch_loader(batches, total)
     PROBE.reset()
     trainer.fit(task, train_dataloaders=loader)
     used = sorted(set(strategy.runtime.microbatches_used.values()))

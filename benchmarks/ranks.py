@@ -1,5 +1,6 @@
 """Running a benchmark on several ranks: launch the script's own worker mode with torchrun and collect what each
-rank wrote, and the bare Lightning Trainer a timed strategy run uses (nothing but the strategy and its callbacks).
+rank wrote, and the bare Lightning Trainer a timed strategy run uses (nothing but the strategy and its callbacks) with
+its data: whole prepared batches, no collation.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
 
 def launch(script: str, nprocs: int, out: Path, args: list[str], timeout: float) -> list[Any]:
@@ -52,3 +54,21 @@ def bare_trainer(
         use_distributed_sampler=False,
         callbacks=callbacks,
     )
+
+
+class BatchList(torch.utils.data.Dataset):
+    """Item i is whole batch i % len(batches), for DataLoader(batch_size=None): no collation anywhere."""
+
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
+        self.batches, self.length = batches, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batches[index % len(self.batches)]
+
+
+def batch_loader(batches: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> torch.utils.data.DataLoader:
+    """`length` steps over the prepared batches, in order, as a timed Lightning run consumes them."""
+    return torch.utils.data.DataLoader(BatchList(batches, length), batch_size=None, shuffle=False)
