@@ -132,6 +132,28 @@ def test_gpt_closed_form_matches_meta_analysis() -> None:
         assert got.activations == pytest.approx(want.activations, rel=0.35, abs=64)
 
 
+def test_gpt_closed_form_activations_are_what_a_cpu_block_saves() -> None:
+    """What eager PyTorch keeps for backward in one GPT block on CPU (its fused attention kernel, no T x T matrix),
+    each storage once and parameters left out, is the formula's figure exactly: the activation checkpointing
+    benchmark's savings rest on it."""
+    batch, seq_len = 3, 32
+    network = GPT(vocab_size=64, context_length=seq_len, depth=4, width=64, heads=4)  # real tensors on CPU
+    block = network[1]
+    parameters = {id(p) for p in network.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor._base if tensor._base is not None else tensor
+        if id(base) not in parameters:
+            kept[id(base)] = base.numel()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        block(torch.randn(batch, seq_len, 64, requires_grad=True))
+    formula = gpt_workload(depth=4, width=64, heads=4, vocab_size=64, seq_len=seq_len)
+    assert sum(kept.values()) == formula.blocks[1].activations * batch
+
+
 def test_data_parallel_sharding_divides_states_and_activations_follow_the_schedule() -> None:
     workload = gpt_workload(depth=8, width=256, heads=8, vocab_size=512, seq_len=128)
     model = CostModel(workload, H100, precision="bf16-mixed")

@@ -105,8 +105,10 @@ def gpt_workload(
     """Closed-form workload of ``lightning_parallel.models.GPT`` (untied head, biases, learned positions).
 
     One sample is one sequence of ``seq_len`` tokens. Activations assume a fused attention kernel (no T x T matrix
-    kept) and count what eager PyTorch saves: norm inputs and outputs, q/k/v, the attention output and the MLP's
-    hidden layer twice. Exact for parameters; FLOPs count matrix products only, attention at full T x T.
+    kept) and count what eager PyTorch saves: norm inputs and outputs, q/k/v, the attention output (one tensor: the
+    kernel writes it (B, T, h, D)-major, so the projection's input is a view of it) and the MLP's hidden layer twice;
+    a CPU block saves exactly that (tests/test_planner.py). Exact for parameters; FLOPs count matrix products only,
+    attention at full T x T.
     """
     sizes = {"depth": depth, "width": width, "heads": heads, "vocab_size": vocab_size, "seq_len": seq_len}
     bad = {key: value for key, value in {**sizes, "mlp_ratio": mlp_ratio}.items() if value < 1}
@@ -123,8 +125,8 @@ def gpt_workload(
         tp_params=hidden + (3 + r) * w,  # proj and down biases and the norms stay whole
         flops=3.0 * (2 * t * hidden + 4 * t * t * w),  # backward = 2x forward
         tp_flops=3.0 * (2 * t * hidden + 4 * t * t * w),
-        activations=(9 + 2 * r) * t * w + 4 * t + heads * t,  # + norm statistics and the attention log-sum-exp
-        tp_activations=(5 + 2 * r) * t * w + heads * t,
+        activations=(8 + 2 * r) * t * w + 4 * t + heads * t,  # + norm statistics and the attention log-sum-exp
+        tp_activations=(4 + 2 * r) * t * w + heads * t,
         # q, k, v, attention (and its log-sum-exp), proj, up and down outputs; proj's and down's are whole under tp
         selective_activations=(6 + r) * t * w + heads * t,
         tp_selective_activations=(4 + r) * t * w + heads * t,
