@@ -18,6 +18,21 @@ from lightning_parallel.pipeline.schedules import SCHEDULE_TRAITS
 from lightning_parallel.planner import workload_from_module
 from lightning_parallel.tensor.plans import STYLES, apply_plan, check_plan, make_style
 from lightning_parallel.tensor.styles import STYLE_TRAITS
+from lightning_parallel.tensor.styles import Conv1D as TransposedLinear
+from lightning_parallel.tensor.traced_stages import distribute_planned
+
+
+class Conv1D(nn.Module):
+    """transformers' Conv1D as GPT-2 has it (the library recognises it by name): weight (in `nx`, out `nf`)."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.randn(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
 
 
 # ---- schedules -------------------------------------------------------------------------------------------------------
@@ -62,6 +77,7 @@ def example(module_type: type[nn.Module] | None) -> nn.Module:
         nn.LayerNorm: nn.LayerNorm(6),
         nn.RMSNorm: nn.RMSNorm(6),
         nn.Dropout: nn.Dropout(0.1),
+        TransposedLinear: Conv1D(10, 6),
         None: nn.Linear(6, 10),  # a style for any module
     }
     return examples[module_type]
@@ -80,7 +96,12 @@ def test_every_style_applies_and_shards_what_its_row_says(name: str, module_type
     check_plan(model, {"m": name}, tensor_parallel_size=2, sequence_parallel=False)
     with fake_world(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        apply_plan(model, {"m": name}, mesh, sequence_parallel=False)
+        if module_type is TransposedLinear:  # torch's styles take nn.Linear: sharded only inside traced stages
+            with pytest.raises(ValueError, match="Conv1D is sharded only inside traced pipeline stages"):
+                apply_plan(model, {"m": name}, mesh, sequence_parallel=False)
+            distribute_planned(model["m"], name, mesh)
+        else:
+            apply_plan(model, {"m": name}, mesh, sequence_parallel=False)
         for key, param in model["m"].named_parameters():
             if key in split:
                 assert isinstance(param, DTensor) and param.placements == (Shard(split[key]),), (name, key)

@@ -234,6 +234,23 @@ def test_modulelist_items_tied_weights_and_traced_devices() -> None:
     assert [name for name, _ in pruned.named_parameters()] == ["layers.1.weight", "layers.1.bias", "head.weight"]
 
 
+def test_tied_weights_rebind_on_each_pruned_rank_under_any_of_their_names() -> None:
+    """torch names a tied tensor once in the trace (GPT-2's wte / lm_head: as `lm_head.weight`); the rank that
+    pruned the block of that name finds it under the other."""
+    torch.manual_seed(0)
+    network = Tied()
+    network.head.weight = network.emb.weight = nn.Parameter(network.emb.weight.detach().clone())  # head's name first
+    tokens = torch.randint(0, 11, (3, 5))
+    traced = TracedNetwork(network, tokens)
+    split = [["emb", "layers.0"], ["layers.1", "head"]]
+    for rank, blocks in enumerate(split):
+        pruned = copy.deepcopy(network)
+        prune_children(pruned, blocks, traced.blocks)
+        stage = traced.stage_modules(split, [rank], tokens, pruned)[rank]
+        tied = pruned.emb.weight if rank == 0 else pruned.head.weight
+        assert any(p is tied for p in stage.parameters()), rank
+
+
 def test_batchnorm_statistics_follow_eager_in_train_and_eval() -> None:
     torch.manual_seed(0)
     network = NormDrop()

@@ -58,6 +58,27 @@ class BatchNormCNN(TutorialCNN):
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x.flatten(1))))))
 
 
+class ResidualCNN(nn.Module):
+    """A residual CNN with its own forward (stem, two residual blocks written inline, BatchNorm, pooling, a head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, 8, 3, padding=1)
+        self.norm = nn.BatchNorm2d(8)
+        self.conv1 = nn.Conv2d(8, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.conv3 = nn.Conv2d(8, 8, 3, padding=1)
+        self.conv4 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc1 = nn.Linear(8 * 4 * 4, 32)
+        self.fc2 = nn.Linear(32, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.norm(self.stem(x)))
+        x = x + self.conv2(F.relu(self.conv1(x)))
+        x = F.max_pool2d(x + self.conv4(F.relu(self.conv3(x))), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
 class FourLinearMLP(nn.Module):
     """The four-Linear MLP of the multi-GPU tutorials, with its own forward."""
 
@@ -141,6 +162,39 @@ class Loss(pl.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
+class CausalLM(pl.LightningModule):
+    """A Hugging Face causal language model called positionally, the loss computed in training_step."""
+
+    def __init__(self, model: nn.Module, lr: float = 0.1) -> None:
+        super().__init__()
+        self.model = model
+        self.lr = lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        logits = self.model(ids)["logits"]  # (B, T, vocab)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def tiny_gpt2() -> nn.Module:
+    """transformers' GPT2LMHeadModel, tiny, without dropout (which would draw differently per micro-batch)."""
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_layer=4, n_embd=32, n_head=4, vocab_size=64, n_positions=16, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def token_loader(*, batch_size: int = 16, seed: int = 0) -> DataLoader:
+    ids = torch.randint(0, 64, (SAMPLES, 16), generator=torch.Generator().manual_seed(seed))
+    return DataLoader(TensorDataset(ids), batch_size=batch_size, shuffle=False)
+
+
 def loader(*, shuffle: bool, batch_size: int = 16, seed: int = 0) -> DataLoader:
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(SAMPLES, 1, 8, 8, generator=generator)
@@ -160,10 +214,12 @@ def fit(
     save_dir: str | None = None,
     ckpt_path: str | None = None,
     accelerator: str = "cpu",
+    data: DataLoader | None = None,
     **trainer_kwargs: Any,
 ) -> dict[str, Any]:
     """Fit with the user's defaults (use_distributed_sampler=True); losses, logged metrics, local weights. With
-    `save_every`, a checkpoint `step=<N>.ckpt` in `save_dir` every that many optimizer steps; `ckpt_path` resumes."""
+    `save_every`, a checkpoint `step=<N>.ckpt` in `save_dir` every that many optimizer steps; `ckpt_path` resumes;
+    `data` replaces the digits-sized images."""
     pl.seed_everything(0, verbose=False)
     losses = Loss()
     callbacks: list[pl.Callback] = [losses]
@@ -181,7 +237,8 @@ def fit(
         callbacks=callbacks,
         **trainer_kwargs,
     )
-    trainer.fit(module, train_dataloaders=loader(shuffle=shuffle, batch_size=batch_size), ckpt_path=ckpt_path)
+    data = data if data is not None else loader(shuffle=shuffle, batch_size=batch_size)
+    trainer.fit(module, train_dataloaders=data, ckpt_path=ckpt_path)
     # DTensors gathered whole (a collective, and every rank gets here)
     # every name of a shared (tied) parameter, so one process's state lines up with each stage's
     state = {name: _whole(p).detach().cpu().clone() for name, p in module.named_parameters(remove_duplicate=False)}
@@ -213,4 +270,5 @@ NETWORKS: dict[str, Any] = {
     "tutorial_cnn": TutorialCNN,
     "batchnorm_cnn": BatchNormCNN,
     "four_linear_mlp": FourLinearMLP,
+    "residual_cnn": ResidualCNN,
 }

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import OVERLAP_F_B, PipelineScheduleSingle, _PipelineScheduleRuntime
+from torch.utils import _pytree as pytree
 
 from lightning_parallel.pipeline.microbatches import PlansUsed, PlanUsed, plan_microbatches
 from lightning_parallel.pipeline.schedule_plan import resolve_schedule
@@ -40,6 +41,26 @@ def clone_view_outputs(module: nn.Module, args: object, output: object) -> objec
     if isinstance(output, tuple):
         return tuple(t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t for t in output)
     return output
+
+
+class StructuredOutput:
+    """Forward hook for a last stage returning a dict-like structure (a Hugging Face `ModelOutput`), which torch's
+    `PipelineStage` refuses: the stage hands on its tensor leaves as a tuple; `rebuild` restores the structure
+    for the loss. Tensors, tuples and lists pass unchanged."""
+
+    def __init__(self) -> None:
+        self.spec: pytree.TreeSpec | None = None
+
+    def __call__(self, module: nn.Module, args: object, output: object) -> object:
+        if isinstance(output, torch.Tensor | tuple | list):
+            return None
+        leaves, self.spec = pytree.tree_flatten(output)
+        return tuple(leaves)
+
+    def rebuild(self, output: object) -> object:
+        if self.spec is None:
+            return output
+        return pytree.tree_unflatten(list(output if isinstance(output, tuple | list) else (output,)), self.spec)
 
 
 def take_gradients(params: Sequence[nn.Parameter]) -> list[torch.Tensor | None]:
@@ -148,6 +169,7 @@ class PipelineRuntime:
         self._schedules: dict[tuple, tuple[object, PlanUsed]] = {}
         self._inferring = [False]
         self._hooked: set[int] = set()
+        self._structured = StructuredOutput()
         self.used = PlansUsed(schedule=schedule, requested=microbatches, warn=warn)
         # Fallback schedules (`ScheduleTraits.fallback`) split the backward only when the configured one does too.
         self.timer = StageTimer(self.stage_modules, backward=not spec.splits_backward)
@@ -155,7 +177,7 @@ class PipelineRuntime:
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self._inferring[0]:  # shape inference: any loss connected to the output will do
             return placeholder_loss(output)
-        return self.loss_fn(output, target)
+        return self.loss_fn(self._structured.rebuild(output), target)  # type: ignore[arg-type]
 
     @property
     def microbatches_used(self) -> dict[tuple[bool, int], tuple[str, int]]:
@@ -201,9 +223,11 @@ class PipelineRuntime:
             micro = tuple(t[: t.shape[0] // count] for t in inputs)  # every micro-batch has this shape
             modules = dict(sorted(self.stage_factory(micro).items()))
             self.timer.watch(modules)
-        for module in modules.values():
+        for index, module in modules.items():
             if id(module) not in self._hooked:
                 self._hooked.add(id(module))
+                if index == self.num_stages - 1:  # before clone_view_outputs, which then sees the tuple
+                    module.register_forward_hook(self._structured)
                 module.register_forward_hook(clone_view_outputs)
         return modules
 

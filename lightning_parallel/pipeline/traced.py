@@ -14,7 +14,7 @@ import io
 import linecache
 import re
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -51,6 +51,7 @@ class TracedNetwork:
     def __init__(self, network: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor]) -> None:
         self._name = type(network).__name__
         self._meta = _meta_copy(network)
+        self._aliases = _aliases(self._meta)
         inputs = _as_inputs(example_inputs)
         self._cache: dict[tuple, list[nn.Module]] = {}
         modes = _modes(network)
@@ -97,7 +98,7 @@ class TracedNetwork:
                 raise ValueError(
                     f"stage index {index} is out of range for {len(chain)} stages. HINT: use 0..{len(chain) - 1}."
                 )
-            _rebind(chain[index], network, f"stage {index} ({split[index][0]}..{split[index][-1]})")
+            _rebind(chain[index], network, f"stage {index} ({split[index][0]}..{split[index][-1]})", self._aliases)
             built[index] = chain[index]
         return built
 
@@ -220,8 +221,17 @@ def _real_name(name: str) -> str:
     return ".".join(part.split("@")[0] for part in name.split("."))
 
 
-def _rebind(stage: nn.Module, network: nn.Module, label: str) -> None:
-    """Point every parameter and buffer slot of a traced stage at ``network``'s tensor of the same name."""
+def _aliases(meta: nn.Module) -> dict[str, list[str]]:
+    """Every name of each parameter (a tied embedding and head: one tensor under two names)."""
+    names: dict[int, list[str]] = {}
+    for name, param in meta.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {name: group for group in names.values() for name in group}
+
+
+def _rebind(stage: nn.Module, network: nn.Module, label: str, aliases: dict[str, list[str]]) -> None:
+    """Point every parameter and buffer slot of a traced stage at ``network``'s tensor of the same name (or, for a
+    tied parameter whose traced name was pruned, under another of its names)."""
     for store, named, lookup in (
         ("_parameters", stage.named_parameters, network.get_parameter),
         ("_buffers", stage.named_buffers, network.get_buffer),
@@ -229,13 +239,22 @@ def _rebind(stage: nn.Module, network: nn.Module, label: str) -> None:
         for name, _ in list(named(remove_duplicate=False)):
             owner, _, leaf = name.rpartition(".")
             try:
-                real = lookup(_real_name(name))
+                real = _lookup(lookup, _real_name(name), aliases)
             except AttributeError as error:
                 raise ValueError(
                     f"{label} reads {store[1:-1]} {_real_name(name)!r}, which the network does not hold. "
                     "HINT: build only the stages whose blocks this rank kept (see prune_children)."
                 ) from error
             getattr(stage.get_submodule(owner), store)[leaf] = real
+
+
+def _lookup(lookup: Callable[[str], torch.Tensor], name: str, aliases: dict[str, list[str]]) -> torch.Tensor:
+    for candidate in aliases.get(name, [name]):
+        try:
+            return lookup(candidate)
+        except AttributeError:
+            continue
+    return lookup(name)  # raises, naming the traced name
 
 
 def _canonical_names(stage: nn.Module, meta: nn.Module) -> set[str]:

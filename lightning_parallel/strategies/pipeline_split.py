@@ -20,10 +20,15 @@ from lightning_parallel.pipeline.batchnorm import defer_batchnorm
 from lightning_parallel.pipeline.partition import Partition
 from lightning_parallel.pipeline.profile import measure_block_costs
 from lightning_parallel.pipeline.schedule_plan import ScheduleSpec
-from lightning_parallel.pipeline.split import NetworkSplit, network_split
+from lightning_parallel.pipeline.split import NetworkSplit, TracedSplit, network_split
 from lightning_parallel.pipeline.tied import TiedGroup, broadcast_tied_values
 from lightning_parallel.strategies.base import MeshStrategy
-from lightning_parallel.strategies.stage_sharding import resolve_stage_plan, shard_over_replicas, shard_stage
+from lightning_parallel.strategies.stage_sharding import (
+    refuse_traced_sharding,
+    resolve_stage_plan,
+    shard_over_replicas,
+    shard_stage,
+)
 from lightning_parallel.strategies.user_step import (
     capture_network_inputs,
 )
@@ -79,7 +84,9 @@ class PipelineSplit(MeshStrategy):
             self.refuse_block_options_when_traced(network)
         self.refuse_meta_outside(module, network)
         if self.dims.tp > 1:
-            resolve_stage_plan(network, self.plan, self.dims.tp)
+            _, plan, _ = resolve_stage_plan(network, self.plan, self.dims.tp)
+            if self.pipelined and not isinstance(network, nn.Sequential):
+                refuse_traced_sharding(network, plan, [], replicas=self.replicas, dp=self.dims.dp)
         if not self.pipelined:
             return
         if not module.automatic_optimization:
@@ -192,15 +199,22 @@ class PipelineSplit(MeshStrategy):
         self._split = network_split(network, self._example)
         costs = self._measured_costs(network) if self.balance == "time" else None
         self._partition = self._plan_split(self._split, costs)
+        traced = isinstance(self._split, TracedSplit)
         if self.dims.tp > 1:
             self._tensor_plan = resolve_stage_plan(network, self.plan, self.dims.tp)  # whole network, before pruning
+            if traced:  # traced stages compute on the planned modules' DTensor shards (`tensor/traced_stages.py`)
+                refuse_traced_sharding(
+                    network, self._tensor_plan[1], self._tied, replicas=self.replicas, dp=self.dims.dp
+                )
         self._split.prune(self.partition.blocks_of(self.pp_rank))
         if self._tensor_plan is None:
             materialize(network, self.root_device)
             self.setup_peak_parameter_bytes = parameter_bytes(network)
         else:
             mesh, group = self.device_mesh["tp"], self.group("tp")
-            self.setup_peak_parameter_bytes = shard_stage(network, self._tensor_plan[1], mesh, group, self.root_device)
+            self.setup_peak_parameter_bytes = shard_stage(
+                network, self._tensor_plan[1], mesh, group, self.root_device, traced=traced
+            )
         broadcast_tied_values(network, self._tied, self.group("pp"))
 
     @override

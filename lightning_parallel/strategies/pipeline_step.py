@@ -20,9 +20,11 @@ from typing_extensions import override
 from lightning_parallel.pipeline.batchnorm import batchnorm_notice, commit_batchnorm
 from lightning_parallel.pipeline.runtime import PipelineRuntime, put_gradients, take_gradients
 from lightning_parallel.pipeline.schedule_plan import analytic_bubble
+from lightning_parallel.pipeline.split import TracedSplit
 from lightning_parallel.pipeline.tied import counted_elsewhere, sum_tied_gradients
 from lightning_parallel.replicas import average_
 from lightning_parallel.strategies.pipeline_split import PipelineSplit
+from lightning_parallel.strategies.stage_sharding import stages_on_mesh
 from lightning_parallel.strategies.user_step import (
     MicroSteps,
     StepRefused,
@@ -77,9 +79,12 @@ class PipelinedStep(PipelineSplit):
         assert split is not None
         example = self._example or ()
         micro = tuple(t[: max(1, len(t) // self.microbatches_for(self.dims.pp))].to(self.root_device) for t in example)
+        modules, factory = split.stage_modules(partition, pp_rank, micro), split.stage_factory(partition, pp_rank)
+        if self._tensor_plan is not None and isinstance(split, TracedSplit):  # traced stages compute on DTensors
+            modules, factory = stages_on_mesh(modules, factory, self.device_mesh["tp"])
         return PipelineRuntime(
-            stage_modules=split.stage_modules(partition, pp_rank, micro),
-            stage_factory=split.stage_factory(partition, pp_rank),
+            stage_modules=modules,
+            stage_factory=factory,
             num_stages=len(partition.stages),
             schedule=self.spec.name,
             microbatches=self.microbatches_for(self.dims.pp),

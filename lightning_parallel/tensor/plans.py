@@ -13,11 +13,11 @@ from fnmatch import fnmatchcase
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils.hooks import RemovableHandle
 
-from lightning_parallel.tensor.styles import STYLE_TRAITS
+from lightning_parallel.tensor.styles import STYLE_TRAITS, Conv1D
 
 # style name -> what it does (the one-line descriptions of `styles.STYLE_TRAITS`)
 STYLES: dict[str, str] = {name: traits.description for name, traits in STYLE_TRAITS.items()}
@@ -125,6 +125,13 @@ def apply_plan(model: nn.Module, plan: Mapping[str, str], mesh: DeviceMesh, *, s
 
     Ranks must already hold identical weights (the strategy broadcasts them), so shards are cut locally.
     """
+    for name, style in plan.items():
+        if isinstance(model.get_submodule(name), Conv1D) and STYLE_TRAITS[style].shardings:
+            raise ValueError(
+                f"tensor plan: {name} is a Conv1D (a transposed Linear); torch's {style!r} style takes nn.Linear, so "
+                "Conv1D is sharded only inside traced pipeline stages. HINT: map it to 'replicate', or use the "
+                "pipeline strategy with pipeline_parallel_size > 1 on a network that is not an nn.Sequential"
+            )
     styles = {name: make_style(style, sequence_parallel=sequence_parallel) for name, style in plan.items()}
     active = {name: style for name, style in styles.items() if style is not None}
     if active:
@@ -132,23 +139,20 @@ def apply_plan(model: nn.Module, plan: Mapping[str, str], mesh: DeviceMesh, *, s
 
 
 def keep_gradients_sharded(model: nn.Module) -> list[RemovableHandle]:
-    """Slice a sharded parameter's replicated gradient down to the parameter's own shard as it is accumulated.
+    """Give a DTensor parameter's gradient the parameter's own placements as it is accumulated.
 
     DTensor has no sharded backward for a vocabulary-parallel embedding (torch 2.13): its gradient comes back
-    replicated, vocabulary x width on every rank, and would stay that size through the optimizer step.
-    Replicate -> Shard is a local slice, so the hook never communicates inside backward. Register after the
-    last `Module.to()`: it swaps DTensor parameters' contents (`swap_tensors`) and their hooks go with them.
+    replicated, vocabulary x width on every rank, and would stay that size through the optimizer step; Replicate ->
+    Shard is a local slice, so that hook never communicates inside backward. Inside traced pipeline stages
+    (`traced_stages.py`) a Replicate parameter's gradient may come back Partial: it is all-reduced here. Register
+    after the last `Module.to()`: it swaps DTensor parameters' contents (`swap_tensors`) and their hooks go with them.
     """
-    return [
-        param.register_post_accumulate_grad_hook(_reshard_replicated_gradient)
-        for param in model.parameters()
-        if isinstance(param, DTensor) and any(not isinstance(p, Replicate) for p in param.placements)
-    ]
+    return [param.register_post_accumulate_grad_hook(_place_gradient) for param in model.parameters()
+            if isinstance(param, DTensor)]  # fmt: skip
 
 
-def _reshard_replicated_gradient(param: torch.Tensor) -> None:
+def _place_gradient(param: torch.Tensor) -> None:
     grad = param.grad
     # the hook is registered on DTensor parameters only
     if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
-        if all(isinstance(p, Replicate) for p in grad.placements):
-            param.grad = grad.redistribute(param.device_mesh, param.placements)
+        param.grad = grad.redistribute(param.device_mesh, param.placements)

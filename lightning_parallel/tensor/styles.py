@@ -8,6 +8,7 @@ planner estimates memory and communication with it. It holds no plan and shards 
 
 from __future__ import annotations
 
+from abc import ABC
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -26,6 +27,17 @@ from lightning_parallel.tensor.conv import BatchNormParallel, ConvColwiseParalle
 MakeStyle = Callable[[bool], ParallelStyle | None]  # sequence_parallel -> torch style, None = leave the module as is
 
 
+class Conv1D(ABC):  # noqa: B024 - a marker recognised by __subclasshook__, nothing to implement
+    """transformers' `Conv1D` (GPT-2's projections), recognised by class name (this library does not import
+    transformers): a Linear whose weight is stored transposed, (in `nx`, out `nf`), computed as
+    `addmm(bias, x, weight)`. torch's styles take nn.Linear only, so it is sharded only inside traced pipeline stages,
+    which compute on its DTensor shards (`traced_stages.py`)."""
+
+    @classmethod
+    def __subclasshook__(cls, other: type) -> bool:
+        return other.__name__ == "Conv1D" and issubclass(other, nn.Module)
+
+
 @dataclass(frozen=True)
 class Sharding:
     """What a style splits of one module type.
@@ -37,7 +49,7 @@ class Sharding:
         size_name: How an error names that size.
     """
 
-    module: type[nn.Module]
+    module: type[nn.Module] | type[Conv1D]
     parameters: Mapping[str, int]
     size: str
     size_name: str
@@ -70,7 +82,7 @@ class StyleTraits:
     sequence_only: bool = False
 
     @property
-    def accepts(self) -> tuple[type[nn.Module], ...] | None:
+    def accepts(self) -> tuple[type[nn.Module] | type[Conv1D], ...] | None:
         """Module types the style applies to; None means any module."""
         return tuple(s.module for s in self.shardings) if self.shardings else self.applies_to
 
@@ -126,17 +138,19 @@ def _shard_sequence(sp: bool) -> ParallelStyle | None:
 # ---- the table -------------------------------------------------------------------------------------------------------
 _OUT = Sharding(nn.Linear, {"weight": 0, "bias": 0}, "out_features", "out_features")
 _IN = Sharding(nn.Linear, {"weight": 1}, "in_features", "in_features")  # the bias is added once, after the reduction
+_OUT_T = Sharding(Conv1D, {"weight": 1, "bias": 0}, "nf", "out_features")  # weight stored (in, out)
+_IN_T = Sharding(Conv1D, {"weight": 0}, "nx", "in_features")
 _ALL_REDUCE_INPUT = (("all_reduce", "input"),)  # backward: the replicated input's gradient is summed
 _ALL_REDUCE_OUTPUT = (("all_reduce", "output"),)  # forward: partial outputs are summed
 _TABLE = (
     StyleTraits(
-        "colwise", "Linear/Embedding: shard output features; input replicated", _colwise,
-        shardings=(_OUT, Sharding(nn.Embedding, {"weight": 1}, "embedding_dim", "embedding_dim")),
+        "colwise", "Linear/Embedding (Conv1D in traced stages): shard output features; input replicated", _colwise,
+        shardings=(_OUT, Sharding(nn.Embedding, {"weight": 1}, "embedding_dim", "embedding_dim"), _OUT_T),
         sharded_output=True, collectives=_ALL_REDUCE_INPUT,
     ),
     StyleTraits(
-        "rowwise", "Linear: shard input features; all-reduce the output", _rowwise,
-        shardings=(_IN,), sharded_input=True, collectives=_ALL_REDUCE_OUTPUT,
+        "rowwise", "Linear (Conv1D in traced stages): shard input features; all-reduce the output", _rowwise,
+        shardings=(_IN, _IN_T), sharded_input=True, collectives=_ALL_REDUCE_OUTPUT,
     ),
     StyleTraits(
         "rowwise_from_channels",

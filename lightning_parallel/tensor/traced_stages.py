@@ -1,0 +1,203 @@
+"""Tensor parallelism inside traced pipeline stages: a plan's layers hold DTensor shards and each traced stage
+(a torch.fx graph of aten ops) runs on DTensors with global shapes, so the shapes its trace baked in stay valid.
+
+Why DTensor propagation rather than torch's `parallelize_module` styles: a traced stage never calls the real
+modules' forwards (the graph inlines `aten.linear`, `aten.conv2d`, ...), so the styles' input/output hooks would
+never fire; and the trace bakes in global shapes (`view(B, T, heads, head_dim)`, `split(C)`, `flatten` to C * H * W),
+which local shards would break. So the parameters a plan names become DTensors with the placements the style table
+gives (`styles.STYLE_TRAITS`: colwise = Shard(0) of a Linear's weight and bias, rowwise = Shard(1) of its weight,
+conv_colwise / conv_rowwise / batchnorm_sharded by channel, ...; other parameters of a planned module Replicate),
+and `run_on_mesh` rewrites each stage's graphs in place: the stage's inputs, every tensor its graphs read or create
+(plain parameters, buffers, `arange` masks) become Replicate DTensors on the "tp" mesh, and its outputs leave as
+plain, whole tensors. DTensor's sharding propagation then computes every op with global shapes, as one process
+would, and inserts the collectives (all-reduce of a rowwise layer's partial sums, all-gather where a view or split
+crosses a sharded dimension). Parity is exact up to summation order; ops DTensor cannot shard correctly are
+replaced: Conv2d and BatchNorm with channel-sharded parameters run on local shards (DTensor shards convolutions
+spatially only), scaled-dot-product attention runs whole on every rank (torch 2.13 has no CPU backward rule).
+
+Cost, honestly: every op goes through DTensor's eager dispatch (slower per op than plain tensors, like tp=1
+DTensors on GPU), a layer whose output is split or viewed across its sharded dimension (a fused q|k|v projection)
+is all-gathered there, and gradients of Replicate parameters that come back Partial are all-reduced in backward.
+Compute is saved only between a column- and a row-parallel layer. No Lightning, no process groups beyond the mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils import _pytree as pytree
+
+from lightning_parallel.tensor.styles import STYLE_TRAITS
+
+aten = torch.ops.aten
+_DONE = "_lightning_parallel_tp_mesh"  # set on a traced stage once its graphs run on a mesh
+
+
+def parameter_placements(module: nn.Module, style: str) -> dict[str, Placement]:
+    """Placement of each of `module`'s own parameters and buffers under `style` ({} when it shards nothing)."""
+    traits = STYLE_TRAITS[style]
+    sharding = traits.sharding(module)
+    if sharding is None:
+        return {}
+    placements: dict[str, Placement] = {}
+    for name, _ in module.named_parameters(recurse=False):
+        dim = sharding.parameters.get(name)
+        placements[name] = Shard(dim) if dim is not None else Replicate()
+    if isinstance(module, _BatchNorm):  # running statistics are per channel, like weight and bias
+        for name in ("running_mean", "running_var"):
+            if module._buffers.get(name) is not None:
+                placements[name] = Shard(0)
+    return placements
+
+
+def distribute_planned(module: nn.Module, style: str, mesh: DeviceMesh) -> None:
+    """Replace `module`'s own parameters (and per-channel buffers) by DTensors placed as `style` says, in place.
+
+    Ranks must already hold identical values: each cuts its own shard (no communication)."""
+    for name, placement in parameter_placements(module, style).items():
+        if name in module._parameters:
+            param = module._parameters[name]
+            assert param is not None  # listed by named_parameters
+            value = distribute_tensor(param.data, mesh, [placement], src_data_rank=None)
+            module.register_parameter(name, nn.Parameter(value, requires_grad=param.requires_grad))
+        else:
+            buffer = module._buffers[name]
+            assert buffer is not None  # listed by parameter_placements
+            module._buffers[name] = distribute_tensor(buffer, mesh, [placement], src_data_rank=None)
+
+
+def run_on_mesh(stage: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Rewrite a traced stage's graphs in place (once) so it computes on DTensors over `mesh` and returns plain,
+    whole tensors; it still takes and returns exactly what it did, so `PipelineStage` sends plain tensors."""
+    if getattr(stage, _DONE, None) is mesh:
+        return stage
+    for name, module in stage.named_modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        _rewrite(graph, mesh, root=name == "")
+        if isinstance(module, fx.GraphModule):
+            module.recompile()
+        elif callable(getattr(module, "finalize", None)):
+            module.finalize()  # InterpreterModule: rebuild its codegen fallback too
+    setattr(stage, _DONE, mesh)
+    return stage
+
+
+def _rewrite(graph: fx.Graph, mesh: DeviceMesh, *, root: bool) -> None:
+    replicate, whole = _OnMesh(_replicate, mesh), _OnMesh(_whole, mesh)
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _REPLACED:
+            node.target = _REPLACED[node.target]
+        # What enters the graph from outside DTensor: the stage's inputs, tensors read by attribute (plain
+        # parameters, buffers, constants) and tensors created from nothing (arange, ones): Replicate DTensors.
+        source = (node.op == "placeholder" and root) or node.op == "get_attr"
+        if source or (node.op == "call_function" and not node.all_input_nodes):
+            with graph.inserting_after(node):
+                wrapped = graph.call_function(replicate, (node,))
+            node.replace_all_uses_with(wrapped, delete_user_cb=lambda user, wrapped=wrapped: user is not wrapped)
+    if root:
+        output = graph.output_node()
+
+        def gathered(value: fx.Node) -> fx.Node:
+            with graph.inserting_before(output):
+                return graph.call_function(whole, (value,))
+
+        output.args = fx.node.map_arg(output.args, gathered)
+    graph.lint()
+
+
+class _OnMesh:
+    """A graph target bound to the mesh; fx code generation needs a `__name__` (a `partial` has none)."""
+
+    def __init__(self, function: Callable[..., Any], mesh: DeviceMesh) -> None:
+        self.function, self.mesh = function, mesh
+        self.__name__ = function.__name__.lstrip("_")
+        self.__module__ = __name__
+
+    def __call__(self, value: Any) -> Any:
+        return self.function(value, self.mesh)
+
+
+def _replicate(value: Any, mesh: DeviceMesh) -> Any:
+    """A plain tensor as a Replicate DTensor (differentiable: a plain parameter gets its whole gradient)."""
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+        return DTensor.from_local(value, mesh, [Replicate()], run_check=False)
+    return value
+
+
+def _whole(value: Any, mesh: DeviceMesh) -> Any:
+    """A DTensor as the plain, whole tensor (all-gathered or all-reduced as its placement needs)."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _mesh_of(*values: Any) -> DeviceMesh | None:
+    return next((v.device_mesh for v in pytree.tree_leaves(values) if isinstance(v, DTensor)), None)
+
+
+def _sharded(tensor: Any) -> bool:
+    return isinstance(tensor, DTensor) and any(isinstance(p, Shard) for p in tensor.placements)
+
+
+def _local(tensor: Any) -> Any:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _conv2d(x: Any, weight: Any, bias: Any = None, *rest: Any) -> Any:
+    """`aten.conv2d` with channel-sharded weights on local shards (as `conv.py`'s styles); otherwise DTensor's."""
+    if not _sharded(weight):
+        return aten.conv2d.default(x, weight, bias, *rest)
+    mesh = weight.device_mesh
+    if weight.placements[0] == Shard(0):  # conv_colwise: whole input, this rank's output channels
+        # identity forward; backward, each rank's input gradient covers only its output channels: Partial
+        local_x = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])  # (B, C_in, H, W)
+        out = aten.conv2d.default(local_x, weight.to_local(), _local(bias), *rest)  # (B, C_out / tp, H', W')
+        return DTensor.from_local(out, mesh, [Shard(1)], run_check=False)
+    local_x = x.redistribute(mesh, [Shard(1)]).to_local()  # conv_rowwise: (B, C_in / tp, H, W)
+    partial_sum = aten.conv2d.default(local_x, weight.to_local(), None, *rest)  # (B, C_out, H', W'), this rank's part
+    out = DTensor.from_local(partial_sum, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()])
+    return out if bias is None else out + bias.view(1, -1, 1, 1)
+
+
+def _batch_norm(x: Any, weight: Any, bias: Any, mean: Any, var: Any, *rest: Any) -> Any:
+    """`aten.batch_norm` with channel-sharded parameters and statistics on local shards (statistics are per
+    channel: no communication; running statistics update in place on this rank's shard)."""
+    if not (_sharded(weight) or _sharded(mean)):
+        return aten.batch_norm.default(x, weight, bias, mean, var, *rest)
+    mesh = _mesh_of(weight, mean)
+    assert mesh is not None
+    local_x = x.redistribute(mesh, [Shard(1)]).to_local()  # (B, C / tp, ...)
+    out = aten.batch_norm.default(local_x, _local(weight), _local(bias), _local(mean), _local(var), *rest)
+    return DTensor.from_local(out, mesh, [Shard(1)], run_check=False)
+
+
+def _attention_whole(*args: Any, **kwargs: Any) -> Any:
+    """Scaled-dot-product attention on whole tensors on every rank: torch 2.13 has no DTensor rule for its CPU
+    backward. Heads are not sharded here, so this costs an all-gather of a sharded q/k/v and no savings."""
+    mesh = _mesh_of(args, kwargs)
+    if mesh is None:
+        return aten.scaled_dot_product_attention.default(*args, **kwargs)
+    args, kwargs = pytree.tree_map_only(
+        DTensor, lambda t: t.redistribute(mesh, [Replicate()]).to_local(), (args, kwargs)
+    )
+    out = aten.scaled_dot_product_attention.default(*args, **kwargs)
+    return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+
+
+def _assert_local_metadata(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+    """torch.export's dtype/device check, on the local tensor (DTensor has no rule for it)."""
+    return aten._assert_tensor_metadata.default(_local(tensor), *args, **kwargs)
+
+
+_REPLACED: dict[Any, Callable[..., Any]] = {
+    aten.conv2d.default: _conv2d,
+    aten.batch_norm.default: _batch_norm,
+    aten.scaled_dot_product_attention.default: _attention_whole,
+    aten._assert_tensor_metadata.default: _assert_local_metadata,
+}
