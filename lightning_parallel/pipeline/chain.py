@@ -85,7 +85,8 @@ def to_chain_stage(
 
     Values only passed through come back as the very input tensors (autograd routes their gradient through
     unchanged). With ``outputs`` (the last stage) it returns the network's output instead, rebuilt with
-    ``out_spec`` (a single tensor, tuple or dict, as the network returned it).
+    ``out_spec`` (a single tensor, tuple, dict or other registered pytree such as a ``ModelOutput``, as the network
+    returned it) by a forward hook.
     """
     graph = module.graph
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]
@@ -115,12 +116,26 @@ def to_chain_stage(
         returned = tuple(value_node[name] for name in flow.live_out)
         output.args = (returned[0] if len(returned) == 1 else returned,)
     else:
-        leaves = [value_node[name] for name in outputs]
-        output.args = (pytree.tree_unflatten(leaves, out_spec) if out_spec is not None else tuple(leaves),)
+        output.args = (tuple(value_node[name] for name in outputs),)
+        if out_spec is not None:
+            module.register_forward_hook(_rebuild(out_spec))
     graph._codegen = fx.graph.CodeGen()  # plain positional signature, no pytree in/out specs
     graph.lint()
     module.recompile()
     return module
+
+
+def _rebuild(out_spec: pytree.TreeSpec):
+    """A forward hook turning the last stage's flat outputs into the network's own output structure.
+
+    Outside the graph because fx writes every dict-like output as a plain dict: a ``ModelOutput`` (or any
+    registered pytree class) would lose its type and attributes (``out.loss``).
+    """
+
+    def hook(module: torch.nn.Module, args: object, output: tuple[torch.Tensor, ...]) -> object:
+        return pytree.tree_unflatten(list(output), out_spec)
+
+    return hook
 
 
 def _result(produced: fx.node.Argument, index: int | None) -> fx.Node:

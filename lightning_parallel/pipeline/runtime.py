@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import OVERLAP_F_B, PipelineScheduleSingle, _PipelineScheduleRuntime
+from torch.utils import _pytree as pytree
 
 from lightning_parallel.pipeline.microbatches import PlansUsed, PlanUsed, plan_microbatches
 from lightning_parallel.pipeline.schedule_plan import resolve_schedule
@@ -26,8 +27,9 @@ StageFactory = Callable[[tuple[torch.Tensor, ...]], dict[int, nn.Module]]
 
 
 def placeholder_loss(output: object) -> torch.Tensor:
-    """A zero loss connected to every floating output, so a schedule can run its backward without a real loss."""
-    tensors = [t for t in (output if isinstance(output, (list, tuple)) else [output]) if isinstance(t, torch.Tensor)]
+    """A zero loss connected to every floating output (a tensor, or the tensors of a tuple, dict or other pytree such as
+    a ``ModelOutput``), so a schedule can run its backward without a real loss."""
+    tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
     floating = [t for t in tensors if t.is_floating_point()]
     return sum((t * 0).sum() for t in floating) if floating else torch.zeros(())  # type: ignore[return-value]
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from lightning_parallel.pipeline.call import NetworkCall
 from lightning_parallel.pipeline.partition import (
     Partition,
     holds_parameters,
@@ -90,9 +91,9 @@ class TracedSplit(NetworkSplit):
     """Any other module: the blocks are the submodules its forward calls once, costs are FLOPs by default, and
     stages are traced per micro-batch shape (a trace bakes the batch size in)."""
 
-    def __init__(self, network: nn.Module, example: tuple[torch.Tensor, ...]) -> None:
+    def __init__(self, network: nn.Module, example: tuple[torch.Tensor, ...], call: NetworkCall | None = None) -> None:
         super().__init__(network)
-        self.traced = TracedNetwork(network, example)
+        self.traced = TracedNetwork(network, example, call)
 
     @property
     def blocks(self) -> list[str]:
@@ -137,9 +138,17 @@ class TracedSplit(NetworkSplit):
         return lambda micro: self.stage_modules(partition, rank, micro)
 
 
-def network_split(network: nn.Module, example: tuple[torch.Tensor, ...] | None) -> NetworkSplit:
-    """The split for this network; a non-Sequential network needs an example of its inputs to be traced."""
+def network_split(
+    network: nn.Module, example: tuple[torch.Tensor, ...] | None, call: NetworkCall | None = None
+) -> NetworkSplit:
+    """The split for this network; a non-Sequential network needs an example of its inputs (and how they are
+    passed, `call`) to be traced."""
     if isinstance(network, nn.Sequential):
+        if call is not None and (call.keywords or call.constants):
+            raise ValueError(
+                f"the nn.Sequential network is called as {call.describe()}; an nn.Sequential takes one positional "
+                "input. HINT: call it as self.<network>(x), or give the network its own forward taking keywords"
+            )
         if example is not None and len(example) == 1:
             check_block_outputs(network, example[0])
         return NetworkSplit(network)
@@ -148,7 +157,7 @@ def network_split(network: nn.Module, example: tuple[torch.Tensor, ...] | None) 
             f"{type(network).__name__} is not an nn.Sequential, so it is split by tracing, which needs an example "
             "input. HINT: set `self.example_input_array` on the LightningModule, or pass a DataLoader or datamodule"
         )
-    return TracedSplit(network, example)
+    return TracedSplit(network, example, call)
 
 
 def check_block_outputs(network: nn.Sequential, example: torch.Tensor) -> None:

