@@ -14,13 +14,13 @@ from torch.utils.data import DataLoader, TensorDataset
 VOCAB, SEQ, SAMPLES, CLASSES = 64, 16, 64, 3
 
 
-def gpt2() -> torch.nn.Module:
+def gpt2(tied: bool = True) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     # dropout off: a parity test compares two runs' arithmetic, and dropout masks differ between them
     config = GPT2Config(
         n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied,
     )  # fmt: skip
     return GPT2LMHeadModel(config)
 
@@ -36,18 +36,17 @@ def bert() -> torch.nn.Module:
 
 
 class HFLM(pl.LightningModule):
-    """A causal LM as its users write it: labels are the inputs (the model shifts them) and the loss comes back
-    inside the model's output. `same_tensor=False` passes a copy as labels instead of the same tensor."""
+    """A causal LM as its users write it: labels are the very input tensor (the model shifts them) and the loss comes
+    back inside the model's output. `tied=False` unties the embedding from the head."""
 
-    def __init__(self, same_tensor: bool = True, lr: float = 0.1) -> None:
+    def __init__(self, lr: float = 0.1, tied: bool = True) -> None:
         super().__init__()
-        self.model = gpt2()
-        self.same_tensor, self.lr = same_tensor, lr
+        self.model = gpt2(tied)
+        self.lr = lr
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         ids = batch["input_ids"]
-        labels = ids if self.same_tensor else batch["labels"]
-        out = self.model(input_ids=ids, labels=labels)
+        out = self.model(input_ids=ids, labels=ids)
         self.log("loss", out.loss)
         return out.loss
 
@@ -74,6 +73,8 @@ class HFClassifier(pl.LightningModule):
 
 
 class DictDataset(torch.utils.data.Dataset):
+    """Token rows as a tokenizer's output gives them: a dict per sample."""
+
     def __init__(self, ids: torch.Tensor) -> None:
         self.ids = ids
 
@@ -81,7 +82,7 @@ class DictDataset(torch.utils.data.Dataset):
         return len(self.ids)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[index], "labels": self.ids[index].clone()}
+        return {"input_ids": self.ids[index]}
 
 
 def token_loader(*, batch_size: int = 8, seed: int = 0) -> DataLoader:
@@ -98,11 +99,12 @@ def classification_loader(*, batch_size: int = 8, seed: int = 0) -> DataLoader:
 
 
 MODULES: dict[str, Any] = {
-    "gpt2": lambda: HFLM(same_tensor=True),
-    "gpt2_labels": lambda: HFLM(same_tensor=False),
+    "gpt2": HFLM,
+    "gpt2_untied": lambda: HFLM(tied=False),
     "bert": HFClassifier,
 }
-LOADERS: dict[str, Any] = {"gpt2": token_loader, "gpt2_labels": token_loader, "bert": classification_loader}
+LOADERS: dict[str, Any] = {name: token_loader for name in MODULES if name.startswith("gpt2")}
+LOADERS["bert"] = classification_loader
 
 
 def build(name: str) -> pl.LightningModule:

@@ -84,9 +84,9 @@ def to_chain_stage(
     """Rewrite one traced stage, in place, to take ``flow.live_in`` and return ``flow.live_out``.
 
     Values only passed through come back as the very input tensors (autograd routes their gradient through
-    unchanged). With ``outputs`` (the last stage) it returns the network's output instead, rebuilt with
-    ``out_spec`` (a single tensor, tuple, dict or other registered pytree such as a ``ModelOutput``, as the network
-    returned it) by a forward hook.
+    unchanged). With ``outputs`` (the last stage) it returns the network's output tensors instead: the tensor when
+    ``out_spec`` is a single tensor, else their flat tuple, which ``rebuild_output`` turns back into the network's
+    own structure.
     """
     graph = module.graph
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]
@@ -116,26 +116,25 @@ def to_chain_stage(
         returned = tuple(value_node[name] for name in flow.live_out)
         output.args = (returned[0] if len(returned) == 1 else returned,)
     else:
-        output.args = (tuple(value_node[name] for name in outputs),)
-        if out_spec is not None:
-            module.register_forward_hook(_rebuild(out_spec))
+        leaves = tuple(value_node[name] for name in outputs)
+        output.args = (leaves[0] if out_spec is not None and out_spec.is_leaf() else leaves,)
     graph._codegen = fx.graph.CodeGen()  # plain positional signature, no pytree in/out specs
     graph.lint()
     module.recompile()
     return module
 
 
-def _rebuild(out_spec: pytree.TreeSpec):
-    """A forward hook turning the last stage's flat outputs into the network's own output structure.
+def rebuild_output(output: object, out_spec: pytree.TreeSpec | None) -> object:
+    """The network's own output (a tuple, dict, ``ModelOutput`` or any registered pytree) from what its last chain
+    stage returns: one tensor, or the flat tuple of the output's tensors.
 
-    Outside the graph because fx writes every dict-like output as a plain dict: a ``ModelOutput`` (or any
-    registered pytree class) would lose its type and attributes (``out.loss``).
+    Outside the stage because ``PipelineStage`` takes only a tensor or a tuple of tensors from a stage, and fx would
+    write a dict-like output as a plain dict anyway, losing a ``ModelOutput``'s type and attributes (``out.loss``).
     """
-
-    def hook(module: torch.nn.Module, args: object, output: tuple[torch.Tensor, ...]) -> object:
-        return pytree.tree_unflatten(list(output), out_spec)
-
-    return hook
+    if out_spec is None or out_spec.is_leaf():
+        return output
+    leaves = list(output) if isinstance(output, (tuple, list)) else [output]
+    return pytree.tree_unflatten(leaves, out_spec)
 
 
 def _result(produced: fx.node.Argument, index: int | None) -> fx.Node:

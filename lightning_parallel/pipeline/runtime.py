@@ -159,6 +159,17 @@ class PipelineRuntime:
             return placeholder_loss(output)
         return self.loss_fn(output, target)
 
+    def _valid_indices(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """Forward pre-hook: during shape inference later stages run on `torch.empty` inputs; an integer one carried
+        to a later stage (labels for a loss computed inside the model, token ids) would index out of range there, so
+        it becomes zeros of the same shape, a valid index. Real steps are untouched."""
+        if not self._inferring[0]:
+            return None
+        return tuple(
+            torch.zeros_like(a) if isinstance(a, torch.Tensor) and not (a.is_floating_point() or a.is_complex()) else a
+            for a in args
+        )
+
     @property
     def microbatches_used(self) -> dict[tuple[bool, int], tuple[str, int]]:
         """(training?, batch size) -> (schedule, micro-batches) that ran (the benchmarks read this)."""
@@ -207,6 +218,7 @@ class PipelineRuntime:
             if id(module) not in self._hooked:
                 self._hooked.add(id(module))
                 module.register_forward_hook(clone_view_outputs)
+                module.register_forward_pre_hook(self._valid_indices)
         return modules
 
     def train_step(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor | None:

@@ -64,6 +64,16 @@ class NetworkSplit:
             groups.append(self._tied(names[0], [name.split(".")[0] for name in names], partition))
         return groups
 
+    def tied_blocks(self) -> dict[str, list[str]]:
+        """Parameters read by more than one block: first name -> those blocks."""
+        users: dict[int, tuple[str, list[str]]] = {}
+        for block, child in self.network.named_children():
+            for name, param in child.named_parameters(remove_duplicate=False):
+                blocks = users.setdefault(id(param), (f"{block}.{name}", []))[1]
+                if block not in blocks:
+                    blocks.append(block)
+        return {name: blocks for name, blocks in users.values() if len(blocks) > 1}
+
     def _tied(self, name: str, blocks: Sequence[str], partition: Partition) -> TiedGroup:
         rank_of = {block: partition.stage_to_rank[i] for i, stage in enumerate(partition.stages) for block in stage}
         param = self.network.get_parameter(name)
@@ -85,6 +95,10 @@ class NetworkSplit:
 
     def stage_factory(self, partition: Partition, rank: int) -> StageFactory | None:
         return None
+
+    def output(self, value: object) -> object:
+        """The network's output from what its last stage returns (a Sequential's last block returns it as is)."""
+        return value
 
 
 class TracedSplit(NetworkSplit):
@@ -123,6 +137,9 @@ class TracedSplit(NetworkSplit):
             holds_parameters=holds_parameters(self.network, self.blocks),
         )
 
+    def tied_blocks(self) -> dict[str, list[str]]:
+        return self.traced.tied_parameters()
+
     def tied_across_ranks(self, partition: Partition) -> list[TiedGroup]:
         groups = [self._tied(name, blocks, partition) for name, blocks in self.traced.tied_parameters().items()]
         return [group for group in groups if len(group.ranks) > 1]
@@ -136,6 +153,9 @@ class TracedSplit(NetworkSplit):
 
     def stage_factory(self, partition: Partition, rank: int) -> StageFactory | None:
         return lambda micro: self.stage_modules(partition, rank, micro)
+
+    def output(self, value: object) -> object:
+        return self.traced.output(value)
 
 
 def network_split(

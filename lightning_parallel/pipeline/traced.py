@@ -26,7 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.pipeline.balance import split_explicit
 from lightning_parallel.pipeline.call import NetworkCall
-from lightning_parallel.pipeline.chain import retarget_device, stage_flows, to_chain_stage
+from lightning_parallel.pipeline.chain import rebuild_output, retarget_device, stage_flows, to_chain_stage
 
 _SOURCE = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
 
@@ -66,6 +66,8 @@ class TracedNetwork:
         self._meta = _meta_copy(network)
         inputs = _as_inputs(example_inputs)
         self.call = call if call is not None else NetworkCall(len(inputs))
+        self._out_spec: pytree.TreeSpec | None = None
+        self._aliases = _aliases(self._meta)
         self._cache: dict[tuple, list[nn.Module]] = {}
         modes = _modes(network)
         whole = self._trace(inputs, [], modes).get_stage_module(0)
@@ -110,9 +112,13 @@ class TracedNetwork:
                 raise ValueError(
                     f"stage index {index} is out of range for {len(chain)} stages. HINT: use 0..{len(chain) - 1}."
                 )
-            _rebind(chain[index], network, f"stage {index} ({split[index][0]}..{split[index][-1]})")
+            _rebind(chain[index], network, f"stage {index} ({split[index][0]}..{split[index][-1]})", self._aliases)
             built[index] = chain[index]
         return built
+
+    def output(self, value: object) -> object:
+        """The network's own output (tuple, dict, ``ModelOutput``, ...) from what the last stage returns."""
+        return rebuild_output(value, self._out_spec)
 
     def tied_parameters(self) -> dict[str, list[str]]:
         """Parameters that more than one block's computation reads: canonical name -> those blocks.
@@ -261,21 +267,37 @@ def _real_name(name: str) -> str:
     return ".".join(part.split("@")[0] for part in name.split("."))
 
 
-def _rebind(stage: nn.Module, network: nn.Module, label: str) -> None:
-    """Point every parameter and buffer slot of a traced stage at ``network``'s tensor of the same name."""
+def _aliases(network: nn.Module) -> dict[str, list[str]]:
+    """Every name of each parameter and buffer -> all names of that tensor (tied weights have several)."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in [
+        *network.named_parameters(remove_duplicate=False),
+        *network.named_buffers(remove_duplicate=False),
+    ]:
+        names.setdefault(id(tensor), []).append(name)
+    return {name: group for group in names.values() for name in group}
+
+
+def _rebind(stage: nn.Module, network: nn.Module, label: str, aliases: dict[str, list[str]]) -> None:
+    """Point every parameter and buffer slot of a traced stage at ``network``'s tensor of the same name, or of
+    another name of the same tensor: torch's trace names a tied weight by one of its names (``lm_head.weight`` for
+    the embedding too), and a rank may hold it only under another (the embedding's, with the head pruned)."""
     for store, named, lookup in (
         ("_parameters", stage.named_parameters, network.get_parameter),
         ("_buffers", stage.named_buffers, network.get_buffer),
     ):
         for name, _ in list(named(remove_duplicate=False)):
             owner, _, leaf = name.rpartition(".")
-            try:
-                real = lookup(_real_name(name))
-            except AttributeError as error:
+            real = None
+            for candidate in dict.fromkeys([_real_name(name), *aliases.get(_real_name(name), [])]):
+                with contextlib.suppress(AttributeError):
+                    real = lookup(candidate)
+                    break
+            if real is None:
                 raise ValueError(
                     f"{label} reads {store[1:-1]} {_real_name(name)!r}, which the network does not hold. "
                     "HINT: build only the stages whose blocks this rank kept (see prune_children)."
-                ) from error
+                )
             getattr(stage.get_submodule(owner), store)[leaf] = real
 
 

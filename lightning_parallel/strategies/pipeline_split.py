@@ -22,7 +22,7 @@ from lightning_parallel.pipeline.partition import Partition
 from lightning_parallel.pipeline.profile import measure_block_costs
 from lightning_parallel.pipeline.schedule_plan import ScheduleSpec
 from lightning_parallel.pipeline.split import NetworkSplit, network_split
-from lightning_parallel.pipeline.tied import TiedGroup, broadcast_tied_values
+from lightning_parallel.pipeline.tied import TiedGroup, broadcast_tied_values, refuse_ties_within_a_rank
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.stage_sharding import resolve_stage_plan, shard_over_replicas, shard_stage
 from lightning_parallel.strategies.user_step import (
@@ -148,6 +148,8 @@ class PipelineSplit(MeshStrategy):
             balance=balance,
             block_costs=block_costs,
         )
+        if self.spec.splits_backward:
+            refuse_ties_within_a_rank(split.tied_blocks(), partition.stages, partition.stage_to_rank, self.spec.name)
         self._tied = split.tied_across_ranks(partition)
         return partition
 

@@ -58,7 +58,8 @@ class PipelinedStep(PipelineSplit):
             return
         if self._runtime is not None:
             return
-        self._micro_steps = MicroSteps(module, network, self._user_step)
+        assert self._split is not None  # split in parallelize(), before on_device()
+        self._micro_steps = MicroSteps(module, network, self._user_step, self._split.output)
         self._runtime = self._build_runtime(self.pp_rank)
         if self.global_rank == 0:
             rank_zero_info(

@@ -104,12 +104,21 @@ class MicroSteps:
         module: the LightningModule.
         network: the (pruned) network whose output is substituted.
         run_step: calls the user's training_step on a batch (the strategy adds the other step arguments).
+        rebuild: turns what the last stage returns (a tensor or a flat tuple of tensors) into the network's own output
+            (a tuple, dict or ``ModelOutput``), what the user's step reads (``out.loss``).
     """
 
-    def __init__(self, module: pl.LightningModule, network: nn.Module, run_step: Callable[[Any], Any]) -> None:
+    def __init__(
+        self,
+        module: pl.LightningModule,
+        network: nn.Module,
+        run_step: Callable[[Any], Any],
+        rebuild: Callable[[Any], Any] = lambda value: value,
+    ) -> None:
         self.module = module
         self.network = network
         self.run_step = run_step
+        self.rebuild = rebuild
         self._param_names = {id(p): name for name, p in module.named_parameters()}
         self._metric_paths = {id(m): name for name, m in module.named_modules() if isinstance(m, Metric)}
         self._batch: Any = None
@@ -128,7 +137,7 @@ class MicroSteps:
         records: list[LogRecord] = []
         try:
             with (
-                swap_attribute(self.network, "forward", _once(output)),
+                swap_attribute(self.network, "forward", _once(self.rebuild(output))),
                 swap_attribute(self.module, "log", self._recorder(records)),
                 _ParameterGuard(self._param_names),
             ):
