@@ -50,6 +50,11 @@ class HFLM(pl.LightningModule):
         self.log("loss", out.loss)
         return out.loss
 
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        out = self.model(input_ids=batch["input_ids"], labels=batch["input_ids"])
+        self.log("val_loss", out.loss)
+        self.log("val_logit_mean", out.logits.mean())
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
@@ -67,6 +72,12 @@ class HFClassifier(pl.LightningModule):
         out = self.model(input_ids=ids, attention_mask=mask, labels=labels)
         self.log("train_loss", out.loss, prog_bar=True)
         return out.loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        ids, mask, labels = batch
+        out = self.model(input_ids=ids, attention_mask=mask, labels=labels)
+        self.log("val_loss", out.loss)
+        self.log("val_acc", (out.logits.argmax(-1) == labels).float().mean())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr)
@@ -122,9 +133,11 @@ def fit(
     save_every: int | None = None,
     save_dir: str | None = None,
     ckpt_path: str | None = None,
+    validate: bool = True,
 ) -> dict[str, Any]:
-    """Fit `MODULES[name]` with the user's defaults (use_distributed_sampler=True); per-step losses, logged metrics,
-    this process's weights. `save_every` writes `step=<N>.ckpt` into `save_dir`; `ckpt_path` resumes."""
+    """Fit `MODULES[name]` with the user's defaults (use_distributed_sampler=True, a sanity check), with `validate`
+    on 2 batches every 2 steps; per-step losses, logged metrics, this process's weights. `save_every` writes
+    `step=<N>.ckpt` into `save_dir`; `ckpt_path` resumes."""
     from lightning.pytorch.callbacks import ModelCheckpoint
     from user_modules import Loss
 
@@ -143,8 +156,11 @@ def fit(
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
+        val_check_interval=2,
+        limit_val_batches=2 if validate else 0,
     )
-    trainer.fit(module, train_dataloaders=LOADERS[name](batch_size=batch_size), ckpt_path=ckpt_path)
+    loader = LOADERS[name]
+    trainer.fit(module, loader(batch_size=batch_size), loader(batch_size=batch_size, seed=1), ckpt_path=ckpt_path)
     state = {n: p.detach().cpu().clone() for n, p in module.named_parameters(remove_duplicate=False)}
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return {"losses": losses.losses, "state": state, "metrics": metrics, "step": trainer.global_step}

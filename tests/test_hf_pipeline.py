@@ -170,19 +170,36 @@ def test_hugging_face_models_match_one_device_under_every_schedule_family(tmp_pa
     from hf_modules import fit
 
     names = ["gpt2", "bert", "gpt2_untied"]
+    # validation (a forward-only schedule) under a single-stage and a multi-stage schedule; the others train only
+    validated = {"1f1b", "interleaved_zero_bubble"}
     configs = [
-        {"name": name, "devices": 2, "steps": STEPS, "strategy": {"schedule": schedule}}
+        {
+            "name": name,
+            "devices": 2,
+            "steps": STEPS,
+            "strategy": {"schedule": schedule},
+            "validate": schedule in validated,
+        }
         for name in names[:2]
         for schedule in SCHEDULES
     ]
     # zbv (V layout) once the embedding and the head are not one tied parameter on one rank
-    configs.append({"name": "gpt2_untied", "devices": 2, "steps": STEPS, "strategy": {"schedule": "zbv"}})
+    configs.append(
+        {"name": "gpt2_untied", "devices": 2, "steps": STEPS, "strategy": {"schedule": "zbv"}, "validate": False}
+    )
     ranks = run_workers("hf_pipeline", 2, configs, tmp_path)
     refs = {name: fit(name, strategy="auto", devices=1, steps=STEPS) for name in names}
     for index, config in enumerate(configs):
         results = [rank[index] for rank in ranks]
         ref = refs[config["name"]]
         worst = max(assert_matches(result, ref, results) for result in results)
+        # validation: a forward-only schedule, its ModelOutput rebuilt on every rank (loss: mean over micro-batches)
+        names = {key for key in ref["metrics"] if key.startswith("val_")}
+        assert len(names) == 2, ref["metrics"]
+        for result in results if config["validate"] else []:
+            for key in names:
+                assert abs(result["metrics"][key] - ref["metrics"][key]) < TOL, (key, result["metrics"], ref["metrics"])
+                worst = max(worst, abs(result["metrics"][key] - ref["metrics"][key]))
         print(f"{config['name']} {config['strategy']['schedule']}: max abs diff {worst:.2e}")
 
 
@@ -213,10 +230,12 @@ def test_gpt2_checkpoint_saved_on_two_stages_resumes_on_four_like_an_uninterrupt
     # batches of 32 rows: 2 per epoch, so step 2 ends an epoch and both runs see the same batches afterwards
     saved = tmp_path / "checkpoints"
     first = {"name": "gpt2", "devices": 2, "steps": 2, "batch_size": 32, "save_every": 2, "save_dir": str(saved)}
+    first["validate"] = False
     run_workers("hf_pipeline", 2, [first], tmp_path / "two")
     resumed = {"name": "gpt2", "devices": 4, "steps": STEPS, "batch_size": 32, "ckpt_path": str(saved / "step=2.ckpt")}
+    resumed["validate"] = False
     results = [rank[0] for rank in run_workers("hf_pipeline", 4, [resumed], tmp_path / "four")]
-    straight = fit("gpt2", strategy="auto", devices=1, steps=STEPS, batch_size=32)
+    straight = fit("gpt2", strategy="auto", devices=1, steps=STEPS, batch_size=32, validate=False)
     assert all(result["step"] == STEPS for result in results)
     tail = {**straight, "losses": straight["losses"][2:]}
     worst = max(assert_matches(result, tail, results, steps=STEPS - 2) for result in results)

@@ -88,7 +88,8 @@ def network_call(
 
 
 def _parameters(network: nn.Module) -> Mapping[str, inspect.Parameter]:
+    """The class's forward parameters: the instance's forward may be swapped for the pipeline's own meanwhile."""
     try:
-        return inspect.signature(network.forward).parameters
+        return inspect.signature(type(network).forward).parameters
     except (TypeError, ValueError):  # a forward without a signature (a C extension): nothing to add
         return {}

@@ -235,8 +235,9 @@ class PipelineRuntime:
         used.batches += 1
         return torch.stack([loss.detach().float() for loss in losses]).mean() if self.has_last else None
 
-    def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
-        """Forward only (evaluation). Returns the whole batch's output on the last stage's rank."""
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+        """Forward only (evaluation). Returns the whole batch's output (what the last stage returns, each tensor
+        concatenated over micro-batches) on the last stage's rank."""
         schedule, used = self._schedule(False, inputs)
         with torch.no_grad():
             output = schedule.step(*(inputs if self.has_first else ()))  # type: ignore[attr-defined]

@@ -67,6 +67,7 @@ class TracedNetwork:
         inputs = _as_inputs(example_inputs)
         self.call = call if call is not None else NetworkCall(len(inputs))
         self._out_spec: pytree.TreeSpec | None = None
+        self._scalars: frozenset[int] = frozenset()  # indices of 0-d outputs (a loss)
         self._aliases = _aliases(self._meta)
         self._cache: dict[tuple, list[nn.Module]] = {}
         modes = _modes(network)
@@ -118,7 +119,7 @@ class TracedNetwork:
 
     def output(self, value: object) -> object:
         """The network's own output (tuple, dict, ``ModelOutput``, ...) from what the last stage returns."""
-        return rebuild_output(value, self._out_spec)
+        return rebuild_output(value, self._out_spec, self._scalars)
 
     def tied_parameters(self) -> dict[str, list[str]]:
         """Parameters that more than one block's computation reads: canonical name -> those blocks.
@@ -147,7 +148,8 @@ class TracedNetwork:
                 module = pipe.get_stage_module(index)
                 _check_boundary(module, self._name, split[index + 1][0] if index + 1 < len(flows) else None)
                 last = index == len(flows) - 1
-                to_chain_stage(module, flow, outputs=outputs if last else None, out_spec=self._out_spec)
+                final = outputs if last else None
+                to_chain_stage(module, flow, outputs=final, out_spec=self._out_spec, scalars=self._scalars)
                 if device is not None and device.type != "meta":
                     retarget_device(module, device)
                 chain.append(module)
@@ -180,6 +182,9 @@ class TracedNetwork:
                 f"{len(inputs)} tensors of {self.call.describe()}. HINT: report this with the network's forward"
             )
         leaves, self._out_spec = pytree.tree_flatten(outputs[-1])
+        self._scalars = frozenset(
+            i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and not leaf.dim()
+        )
         odd = [type(leaf).__name__ for leaf in leaves if not isinstance(leaf, torch.Tensor)]
         if odd:
             raise ValueError(

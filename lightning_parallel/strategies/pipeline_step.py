@@ -138,8 +138,9 @@ class PipelinedStep(PipelineSplit):
             raise StepRefused(str(error)) from error
         if self._call is not None and call != self._call:
             raise StepRefused(
-                f"training_step calls the network as {call.describe()}, but the pipeline was traced for "
-                f"{self._call.describe()}. HINT: pass the same tensors and flags to the network in every step"
+                f"this step calls the network as {call.describe()}, but the pipeline was traced for "
+                f"{self._call.describe()}. HINT: pass the same tensors and flags to the network in every step "
+                "(training and evaluation)"
             )
         return inputs
 
@@ -166,15 +167,22 @@ class PipelinedStep(PipelineSplit):
 
         return loss
 
-    def _pipelined_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if kwargs:
-            raise RuntimeError(f"pipelined networks take positional inputs only; got keywords {sorted(kwargs)}")
-        output = self.runtime.forward(tuple(args))
-        meta = [(output.shape, output.dtype)] if output is not None else [None]
+    def _pipelined_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The network call of an evaluation step: a forward-only schedule, its output's tensors broadcast from the
+        last stage and rebuilt into the network's own output (a tensor, tuple, dict or ModelOutput) on every rank."""
+        network = self.network_of(self.module)
+        output = self.runtime.forward(self._network_inputs(network, (args, kwargs)))
+        leaves: list[torch.Tensor] = [] if output is None else list(output) if isinstance(output, tuple) else [output]
+        meta = [(isinstance(output, tuple), [(t.shape, t.dtype) for t in leaves])] if output is not None else [None]
         dist.broadcast_object_list(meta, src=self._last_stage_rank(), group=self.group("pp"))
         assert meta[0] is not None  # the last stage always has an output
-        shape, dtype = meta[0]
-        return self._from_last_stage(output, shape, dtype)
+        several, shapes = meta[0]
+        tensors = [
+            self._from_last_stage(leaves[i] if leaves else None, shape, dtype)
+            for i, (shape, dtype) in enumerate(shapes)
+        ]
+        assert self._split is not None
+        return self._split.output(tuple(tensors) if several else tensors[0])
 
     def _from_last_stage(self, tensor: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """Broadcast a tensor from the rank holding the last stage to every rank of the pipeline."""

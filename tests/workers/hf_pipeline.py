@@ -15,7 +15,7 @@ from hf_modules import fit  # noqa: E402
 
 from lightning_parallel import PipelineParallelStrategy  # noqa: E402
 
-OPTIONAL = ("batch_size", "save_every", "save_dir", "ckpt_path")
+OPTIONAL = ("batch_size", "save_every", "save_dir", "ckpt_path", "validate")
 configs, out = payload()
 results = []
 for config in configs:
