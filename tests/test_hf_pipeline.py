@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -201,6 +202,31 @@ def test_hugging_face_models_match_one_device_under_every_schedule_family(tmp_pa
                 assert abs(result["metrics"][key] - ref["metrics"][key]) < TOL, (key, result["metrics"], ref["metrics"])
                 worst = max(worst, abs(result["metrics"][key] - ref["metrics"][key]))
         print(f"{config['name']} {config['strategy']['schedule']}: max abs diff {worst:.2e}")
+
+
+def test_untraceable_keyword_call_stops_the_trainer_before_launch_naming_the_source_line() -> None:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = BranchOnLabels()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return self.model(x=x, labels=y)["loss"]
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 4)), batch_size=4)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="pipeline", max_steps=1, logger=False)
+    with pytest.raises(ValueError, match="HINT") as raised:
+        trainer.fit(Module(), train_dataloaders=data)
+    message = str(raised.value)
+    assert "BranchOnLabels.forward branches on a tensor value" in message and "if labels.sum() > 0" in message
+    assert "\n" not in message
 
 
 def test_split_backward_with_a_tied_weight_in_two_stages_of_one_rank_is_refused_before_launch() -> None:

@@ -2,8 +2,8 @@
 ``torch.distributed.pipelining.pipeline``, and bind the traced stages to a rank's real, pruned network.
 
 Traces a meta-device copy, never the real weights: a rank may hold only its own blocks. No process groups,
-no schedules and no Lightning here; ``chain.py`` turns torch's split into neighbour-only stages. Over 300 lines:
-the one-line refusals for what the tracer cannot follow (naming the user's source line) sit beside the trace.
+no schedules and no Lightning here; ``chain.py`` turns torch's split into neighbour-only stages, ``trace_errors.py``
+words what the tracer cannot follow as one line naming the user's source line.
 """
 
 from __future__ import annotations
@@ -12,23 +12,19 @@ import contextlib
 import copy
 import functools
 import io
-import linecache
-import re
 import warnings
 from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.pipeline.balance import split_explicit
 from lightning_parallel.pipeline.call import NetworkCall
 from lightning_parallel.pipeline.chain import rebuild_output, retarget_device, stage_flows, to_chain_stage
-
-_SOURCE = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
+from lightning_parallel.pipeline.trace_errors import check_boundary, explain_failure
 
 
 class TracedNetwork:
@@ -146,7 +142,7 @@ class TracedNetwork:
             chain = []
             for index, flow in enumerate(flows):
                 module = pipe.get_stage_module(index)
-                _check_boundary(module, self._name, split[index + 1][0] if index + 1 < len(flows) else None)
+                check_boundary(module, self._name, split[index + 1][0] if index + 1 < len(flows) else None)
                 last = index == len(flows) - 1
                 final = outputs if last else None
                 to_chain_stage(module, flow, outputs=final, out_spec=self._out_spec, scalars=self._scalars)
@@ -174,7 +170,7 @@ class TracedNetwork:
                 warnings.simplefilter("ignore")
                 pipe = pipeline(traced, args, mb_kwargs=kwargs or None, split_spec=spec)
         except Exception as error:
-            raise ValueError(_explain(self._name, error)) from error
+            raise ValueError(explain_failure(self._name, error)) from error
         placeholders = [node.name for node in pipe.split_gm.graph.nodes if node.op == "placeholder"]
         if len(placeholders) != len(inputs):
             raise RuntimeError(
@@ -331,65 +327,3 @@ def _flop_costs(stages: Sequence[nn.Module], inputs: tuple[torch.Tensor, ...]) -
     for param in stages[0].parameters() if stages else []:
         param.grad = None
     return costs
-
-
-def _check_boundary(stage: nn.Module, name: str, next_block: str | None) -> None:
-    """Every value a stage hands on must be a tensor of a static shape: ``PipelineStage`` sends only those."""
-    if next_block is None:
-        return
-    for node in _output_nodes(stage):
-        value = node.meta.get("val")
-        where = _where(node.meta.get("stack_trace", ""))
-        if not isinstance(value, torch.Tensor):
-            numeric = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
-            kind = "Python number" if isinstance(value, numeric) else type(value).__name__
-            raise ValueError(
-                f"pipeline tracing: {name}.forward passes a {kind} computed{where} to "
-                f"block {next_block!r} across a stage boundary; stages exchange tensors only. HINT: keep it a "
-                "tensor (no .item()), or split elsewhere."
-            )
-        if any(not isinstance(size, int) for size in value.shape):
-            raise ValueError(
-                f"pipeline tracing: {name}.forward passes a tensor whose shape {tuple(value.shape)} depends on the "
-                f"data{where} to block {next_block!r} across a stage boundary. HINT: keep data-dependent shapes "
-                "(boolean masks, nonzero) inside one block, or split elsewhere."
-            )
-
-
-def _output_nodes(stage: nn.Module) -> list[torch.fx.Node]:
-    graph = stage.graph  # torch's split returns each stage as a GraphModule
-    if not isinstance(graph, torch.fx.Graph):
-        raise RuntimeError(f"{type(stage).__name__} is not a traced stage: it has no fx graph. HINT: report this.")
-    found: list[torch.fx.Node] = []
-    torch.fx.node.map_arg(graph.output_node().args, found.append)
-    return found
-
-
-def _where(stack_trace: str) -> str:
-    """`` at file.py:12 (code)`` for the innermost frame of a torch stack trace, or ``""``."""
-    matches = _SOURCE.findall(stack_trace)
-    if not matches:
-        return ""
-    path, line, _ = matches[-1]
-    code = linecache.getline(path, int(line)).strip()
-    return f" at {path}:{line}" + (f" ({code})" if code else "")
-
-
-def _explain(name: str, error: Exception) -> str:
-    """One line saying which construct of the forward torch could not trace, where, and what to do."""
-    chain: list[BaseException] = []
-    cause: BaseException | None = error
-    while cause is not None:
-        chain.append(cause)
-        cause = cause.__cause__ or cause.__context__
-    where = _where("\n".join(str(e) for e in chain))
-    if any(isinstance(e, GuardOnDataDependentSymNode) for e in chain):
-        return (
-            f"pipeline tracing: {name}.forward branches on a tensor value{where}. HINT: make the branch a "
-            "module-level choice (a constructor argument), or wrap the network as an nn.Sequential of blocks."
-        )
-    first = str(chain[-1]).strip().splitlines()[0] if str(chain[-1]).strip() else type(chain[-1]).__name__
-    return (
-        f"pipeline tracing: torch.export cannot trace {name}.forward{where}: {type(chain[-1]).__name__}: {first}. "
-        "HINT: remove that construct from forward, or wrap the network as an nn.Sequential of blocks."
-    )
