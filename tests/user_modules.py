@@ -172,7 +172,7 @@ class CausalLM(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (ids,) = batch
-        logits = self.model(ids)["logits"]  # (B, T, vocab)
+        logits = self.model(ids).logits  # (B, T, vocab): the ModelOutput, rebuilt after the last stage
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

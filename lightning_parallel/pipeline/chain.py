@@ -79,13 +79,20 @@ def _node_names(arg: fx.node.Argument) -> list[str]:
 
 
 def to_chain_stage(
-    module: fx.GraphModule, flow: StageFlow, *, outputs: list[str] | None, out_spec: pytree.TreeSpec | None
+    module: fx.GraphModule,
+    flow: StageFlow,
+    *,
+    outputs: list[str] | None,
+    out_spec: pytree.TreeSpec | None,
+    scalars: frozenset[int] = frozenset(),
 ) -> fx.GraphModule:
     """Rewrite one traced stage, in place, to take ``flow.live_in`` and return ``flow.live_out``.
 
     Values only passed through come back as the very input tensors (autograd routes their gradient through
-    unchanged). With ``outputs`` (the last stage) it returns the network's output instead, rebuilt with
-    ``out_spec`` (a single tensor, tuple or dict, as the network returned it).
+    unchanged). With ``outputs`` (the last stage) it returns the network's output tensors instead: the tensor when
+    ``out_spec`` is a single tensor, else their flat tuple, which ``rebuild_output`` turns back into the network's
+    own structure. The outputs at the ``scalars`` indices (a loss) leave as shape (1,): a forward-only schedule
+    concatenates each output over micro-batches, which a 0-d tensor does not allow.
     """
     graph = module.graph
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]
@@ -115,12 +122,32 @@ def to_chain_stage(
         returned = tuple(value_node[name] for name in flow.live_out)
         output.args = (returned[0] if len(returned) == 1 else returned,)
     else:
-        leaves = [value_node[name] for name in outputs]
-        output.args = (pytree.tree_unflatten(leaves, out_spec) if out_spec is not None else tuple(leaves),)
+        leaves = tuple(value_node[name] for name in outputs)
+        with graph.inserting_before(output):
+            leaves = tuple(
+                graph.call_function(torch.unsqueeze, (v, 0)) if i in scalars else v for i, v in enumerate(leaves)
+            )
+        output.args = (leaves[0] if out_spec is not None and out_spec.is_leaf() else leaves,)
     graph._codegen = fx.graph.CodeGen()  # plain positional signature, no pytree in/out specs
     graph.lint()
     module.recompile()
     return module
+
+
+def rebuild_output(output: object, out_spec: pytree.TreeSpec | None, scalars: frozenset[int] = frozenset()) -> object:
+    """The network's own output (a tuple, dict, ``ModelOutput`` or any registered pytree) from what its last chain
+    stage returns: one tensor, or the flat tuple of the output's tensors. The ``scalars`` (shape (1,) for one
+    micro-batch, (micro-batches,) once a forward-only schedule merged them) become their mean: the batch's value for
+    a per-micro-batch mean such as a model's loss, since micro-batches are equal in size.
+
+    Outside the stage because ``PipelineStage`` takes only a tensor or a tuple of tensors from a stage, and fx would
+    write a dict-like output as a plain dict anyway, losing a ``ModelOutput``'s type and attributes (``out.loss``).
+    """
+    if out_spec is None:
+        return output
+    leaves = list(output) if isinstance(output, (tuple, list)) and not out_spec.is_leaf() else [output]
+    leaves = [leaf.mean() if i in scalars else leaf for i, leaf in enumerate(leaves)]  # type: ignore[attr-defined]
+    return leaves[0] if out_spec.is_leaf() else pytree.tree_unflatten(leaves, out_spec)
 
 
 def _result(produced: fx.node.Argument, index: int | None) -> fx.Node:

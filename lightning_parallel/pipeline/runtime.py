@@ -27,8 +27,9 @@ StageFactory = Callable[[tuple[torch.Tensor, ...]], dict[int, nn.Module]]
 
 
 def placeholder_loss(output: object) -> torch.Tensor:
-    """A zero loss connected to every floating output, so a schedule can run its backward without a real loss."""
-    tensors = [t for t in (output if isinstance(output, (list, tuple)) else [output]) if isinstance(t, torch.Tensor)]
+    """A zero loss connected to every floating output (a tensor, or the tensors of a tuple, dict or other pytree such as
+    a ``ModelOutput``), so a schedule can run its backward without a real loss."""
+    tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
     floating = [t for t in tensors if t.is_floating_point()]
     return sum((t * 0).sum() for t in floating) if floating else torch.zeros(())  # type: ignore[return-value]
 
@@ -41,26 +42,6 @@ def clone_view_outputs(module: nn.Module, args: object, output: object) -> objec
     if isinstance(output, tuple):
         return tuple(t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t for t in output)
     return output
-
-
-class StructuredOutput:
-    """Forward hook for a last stage returning a dict-like structure (a Hugging Face `ModelOutput`), which torch's
-    `PipelineStage` refuses: the stage hands on its tensor leaves as a tuple; `rebuild` restores the structure
-    for the loss. Tensors, tuples and lists pass unchanged."""
-
-    def __init__(self) -> None:
-        self.spec: pytree.TreeSpec | None = None
-
-    def __call__(self, module: nn.Module, args: object, output: object) -> object:
-        if isinstance(output, torch.Tensor | tuple | list):
-            return None
-        leaves, self.spec = pytree.tree_flatten(output)
-        return tuple(leaves)
-
-    def rebuild(self, output: object) -> object:
-        if self.spec is None:
-            return output
-        return pytree.tree_unflatten(list(output if isinstance(output, tuple | list) else (output,)), self.spec)
 
 
 def take_gradients(params: Sequence[nn.Parameter]) -> list[torch.Tensor | None]:
@@ -169,7 +150,6 @@ class PipelineRuntime:
         self._schedules: dict[tuple, tuple[object, PlanUsed]] = {}
         self._inferring = [False]
         self._hooked: set[int] = set()
-        self._structured = StructuredOutput()
         self.used = PlansUsed(schedule=schedule, requested=microbatches, warn=warn)
         # Fallback schedules (`ScheduleTraits.fallback`) split the backward only when the configured one does too.
         self.timer = StageTimer(self.stage_modules, backward=not spec.splits_backward)
@@ -177,7 +157,18 @@ class PipelineRuntime:
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self._inferring[0]:  # shape inference: any loss connected to the output will do
             return placeholder_loss(output)
-        return self.loss_fn(self._structured.rebuild(output), target)  # type: ignore[arg-type]
+        return self.loss_fn(output, target)
+
+    def _valid_indices(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """Forward pre-hook: during shape inference later stages run on `torch.empty` inputs; an integer one carried
+        to a later stage (labels for a loss computed inside the model, token ids) would index out of range there, so
+        it becomes zeros of the same shape, a valid index. Real steps are untouched."""
+        if not self._inferring[0]:
+            return None
+        return tuple(
+            torch.zeros_like(a) if isinstance(a, torch.Tensor) and not (a.is_floating_point() or a.is_complex()) else a
+            for a in args
+        )
 
     @property
     def microbatches_used(self) -> dict[tuple[bool, int], tuple[str, int]]:
@@ -223,12 +214,11 @@ class PipelineRuntime:
             micro = tuple(t[: t.shape[0] // count] for t in inputs)  # every micro-batch has this shape
             modules = dict(sorted(self.stage_factory(micro).items()))
             self.timer.watch(modules)
-        for index, module in modules.items():
+        for module in modules.values():
             if id(module) not in self._hooked:
                 self._hooked.add(id(module))
-                if index == self.num_stages - 1:  # before clone_view_outputs, which then sees the tuple
-                    module.register_forward_hook(self._structured)
                 module.register_forward_hook(clone_view_outputs)
+                module.register_forward_pre_hook(self._valid_indices)
         return modules
 
     def train_step(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor | None:
@@ -245,8 +235,9 @@ class PipelineRuntime:
         used.batches += 1
         return torch.stack([loss.detach().float() for loss in losses]).mean() if self.has_last else None
 
-    def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
-        """Forward only (evaluation). Returns the whole batch's output on the last stage's rank."""
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+        """Forward only (evaluation). Returns the whole batch's output (what the last stage returns, each tensor
+        concatenated over micro-batches) on the last stage's rank."""
         schedule, used = self._schedule(False, inputs)
         with torch.no_grad():
             output = schedule.step(*(inputs if self.has_first else ()))  # type: ignore[attr-defined]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from lightning_parallel.pipeline.call import NetworkCall
 from lightning_parallel.pipeline.partition import (
     Partition,
     holds_parameters,
@@ -63,6 +64,16 @@ class NetworkSplit:
             groups.append(self._tied(names[0], [name.split(".")[0] for name in names], partition))
         return groups
 
+    def tied_blocks(self) -> dict[str, list[str]]:
+        """Parameters read by more than one block: first name -> those blocks."""
+        users: dict[int, tuple[str, list[str]]] = {}
+        for block, child in self.network.named_children():
+            for name, param in child.named_parameters(remove_duplicate=False):
+                blocks = users.setdefault(id(param), (f"{block}.{name}", []))[1]
+                if block not in blocks:
+                    blocks.append(block)
+        return {name: blocks for name, blocks in users.values() if len(blocks) > 1}
+
     def _tied(self, name: str, blocks: Sequence[str], partition: Partition) -> TiedGroup:
         rank_of = {block: partition.stage_to_rank[i] for i, stage in enumerate(partition.stages) for block in stage}
         param = self.network.get_parameter(name)
@@ -85,14 +96,18 @@ class NetworkSplit:
     def stage_factory(self, partition: Partition, rank: int) -> StageFactory | None:
         return None
 
+    def output(self, value: object) -> object:
+        """The network's output from what its last stage returns (a Sequential's last block returns it as is)."""
+        return value
+
 
 class TracedSplit(NetworkSplit):
     """Any other module: the blocks are the submodules its forward calls once, costs are FLOPs by default, and
     stages are traced per micro-batch shape (a trace bakes the batch size in)."""
 
-    def __init__(self, network: nn.Module, example: tuple[torch.Tensor, ...]) -> None:
+    def __init__(self, network: nn.Module, example: tuple[torch.Tensor, ...], call: NetworkCall | None = None) -> None:
         super().__init__(network)
-        self.traced = TracedNetwork(network, example)
+        self.traced = TracedNetwork(network, example, call)
 
     @property
     def blocks(self) -> list[str]:
@@ -122,6 +137,9 @@ class TracedSplit(NetworkSplit):
             holds_parameters=holds_parameters(self.network, self.blocks),
         )
 
+    def tied_blocks(self) -> dict[str, list[str]]:
+        return self.traced.tied_parameters()
+
     def tied_across_ranks(self, partition: Partition) -> list[TiedGroup]:
         groups = [self._tied(name, blocks, partition) for name, blocks in self.traced.tied_parameters().items()]
         return [group for group in groups if len(group.ranks) > 1]
@@ -136,10 +154,21 @@ class TracedSplit(NetworkSplit):
     def stage_factory(self, partition: Partition, rank: int) -> StageFactory | None:
         return lambda micro: self.stage_modules(partition, rank, micro)
 
+    def output(self, value: object) -> object:
+        return self.traced.output(value)
 
-def network_split(network: nn.Module, example: tuple[torch.Tensor, ...] | None) -> NetworkSplit:
-    """The split for this network; a non-Sequential network needs an example of its inputs to be traced."""
+
+def network_split(
+    network: nn.Module, example: tuple[torch.Tensor, ...] | None, call: NetworkCall | None = None
+) -> NetworkSplit:
+    """The split for this network; a non-Sequential network needs an example of its inputs (and how they are
+    passed, `call`) to be traced."""
     if isinstance(network, nn.Sequential):
+        if call is not None and (call.keywords or call.constants):
+            raise ValueError(
+                f"the nn.Sequential network is called as {call.describe()}; an nn.Sequential takes one positional "
+                "input. HINT: call it as self.<network>(x), or give the network its own forward taking keywords"
+            )
         if example is not None and len(example) == 1:
             check_block_outputs(network, example[0])
         return NetworkSplit(network)
@@ -148,7 +177,7 @@ def network_split(network: nn.Module, example: tuple[torch.Tensor, ...] | None) 
             f"{type(network).__name__} is not an nn.Sequential, so it is split by tracing, which needs an example "
             "input. HINT: set `self.example_input_array` on the LightningModule, or pass a DataLoader or datamodule"
         )
-    return TracedSplit(network, example)
+    return TracedSplit(network, example, call)
 
 
 def check_block_outputs(network: nn.Sequential, example: torch.Tensor) -> None:

@@ -2,31 +2,29 @@
 ``torch.distributed.pipelining.pipeline``, and bind the traced stages to a rank's real, pruned network.
 
 Traces a meta-device copy, never the real weights: a rank may hold only its own blocks. No process groups,
-no schedules and no Lightning here; ``chain.py`` turns torch's split into neighbour-only stages. Over 300 lines:
-the one-line refusals for what the tracer cannot follow (naming the user's source line) sit beside the trace.
+no schedules and no Lightning here; ``chain.py`` turns torch's split into neighbour-only stages, ``trace_errors.py``
+words what the tracer cannot follow as one line naming the user's source line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
-import linecache
-import re
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.pipeline.balance import split_explicit
-from lightning_parallel.pipeline.chain import retarget_device, stage_flows, to_chain_stage
-
-_SOURCE = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
+from lightning_parallel.pipeline.call import NetworkCall
+from lightning_parallel.pipeline.chain import rebuild_output, retarget_device, stage_flows, to_chain_stage
+from lightning_parallel.pipeline.trace_errors import check_boundary, explain_failure
 
 
 class TracedNetwork:
@@ -39,27 +37,40 @@ class TracedNetwork:
 
     Args:
         network: The full network, real or on the meta device.
-        example_inputs: One example batch (a tensor or a tuple of positional tensors), any device.
+        example_inputs: One example batch (a tensor or a tuple of tensors), any device.
+        call: How those tensors are passed (positional, keywords, constant flags; ``call.py``); every tensor
+            positional when None. Each tensor is a separate input of the trace even when the caller passed one
+            tensor twice (``input_ids=ids, labels=ids``): torch's export would merge them into one input and
+            leave the other unused.
 
     Attributes:
         blocks: Qualified names of the modules the network's ``forward`` calls exactly once, in call order
-            (top-level children, or ``layers.0`` for items of a ``ModuleList``): the possible split points.
+            (top-level children, or ``layers.0`` for items of a ``ModuleList``): the possible split points. A
+            child whose own forward runs a stack of layers is opened up (``_blocks``): a Hugging Face
+            ``GPT2LMHeadModel`` gives ``transformer.wte``, ..., ``transformer.h.0``, ..., ``lm_head``.
         costs: Forward + backward FLOPs per block for the example batch, including the functional ops
             that follow the block up to the next one (what a stage starting at that block computes).
     """
 
-    def __init__(self, network: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        network: nn.Module,
+        example_inputs: torch.Tensor | Sequence[torch.Tensor],
+        call: NetworkCall | None = None,
+    ) -> None:
         self._name = type(network).__name__
         self._meta = _meta_copy(network)
-        self._aliases = _aliases(self._meta)
         inputs = _as_inputs(example_inputs)
+        self.call = call if call is not None else NetworkCall(len(inputs))
+        self._out_spec: pytree.TreeSpec | None = None
+        self._scalars: frozenset[int] = frozenset()  # indices of 0-d outputs (a loss)
+        self._aliases = _aliases(self._meta)
         self._cache: dict[tuple, list[nn.Module]] = {}
         modes = _modes(network)
-        whole = self._trace(inputs, [], modes)
-        calls = [node.target for node in whole.get_stage_module(0).graph.nodes if node.op == "call_module"]
-        bases = [target.split("@")[0] for target in calls]
-        self.blocks = [name for name in bases if bases.count(name) == 1]
+        whole = self._trace(inputs, [], modes).get_stage_module(0)
+        self.blocks = _blocks(whole)
         if not self.blocks:
+            calls = [node.target for node in whole.graph.nodes if node.op == "call_module"]
             raise ValueError(
                 f"pipeline tracing: {self._name}.forward calls no submodule exactly once (calls: {calls}). "
                 "HINT: give the network child modules (blocks) that its forward calls in order."
@@ -77,7 +88,7 @@ class TracedNetwork:
     ) -> dict[int, nn.Module]:
         """Modules computing the given stages of ``network`` for one micro-batch shape.
 
-        Stage 0 takes the network's positional inputs; stage i > 0 takes exactly what stage i-1 returns
+        Stage 0 takes the network's input tensors (in ``call`` order); stage i > 0 takes exactly what stage i-1 returns
         (values a later stage needs are passed along); the last stage returns the network's output. The
         parameters and buffers are the very objects of ``network`` (possibly pruned and materialised after
         this object was built), under their original names, so optimizers, checkpoints and BatchNorm
@@ -101,6 +112,10 @@ class TracedNetwork:
             _rebind(chain[index], network, f"stage {index} ({split[index][0]}..{split[index][-1]})", self._aliases)
             built[index] = chain[index]
         return built
+
+    def output(self, value: object) -> object:
+        """The network's own output (tuple, dict, ``ModelOutput``, ...) from what the last stage returns."""
+        return rebuild_output(value, self._out_spec, self._scalars)
 
     def tied_parameters(self) -> dict[str, list[str]]:
         """Parameters that more than one block's computation reads: canonical name -> those blocks.
@@ -127,9 +142,10 @@ class TracedNetwork:
             chain = []
             for index, flow in enumerate(flows):
                 module = pipe.get_stage_module(index)
-                _check_boundary(module, self._name, split[index + 1][0] if index + 1 < len(flows) else None)
+                check_boundary(module, self._name, split[index + 1][0] if index + 1 < len(flows) else None)
                 last = index == len(flows) - 1
-                to_chain_stage(module, flow, outputs=outputs if last else None, out_spec=self._out_spec)
+                final = outputs if last else None
+                to_chain_stage(module, flow, outputs=final, out_spec=self._out_spec, scalars=self._scalars)
                 if device is not None and device.type != "meta":
                     retarget_device(module, device)
                 chain.append(module)
@@ -144,15 +160,27 @@ class TracedNetwork:
             module.training = modes.get(name, modes[""])
         outputs: list[object] = []
         traced.register_forward_hook(lambda module, args, output: outputs.append(output))
-        meta_inputs = tuple(torch.empty_like(t, device="meta") for t in inputs)
+        # distinct tensors, even for one tensor passed twice: export would merge those into one input
+        args, kwargs = self.call.bind(tuple(torch.empty_like(t, device="meta") for t in inputs))
+        if self.call.constants:  # flags are baked in, not inputs: a stage sends tensors only
+            traced.forward = functools.partial(traced.forward, **dict(self.call.constants))
         spec = {name: SplitPoint.BEGINNING for name in split_points} or None
         try:
             with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
                 warnings.simplefilter("ignore")
-                pipe = pipeline(traced, meta_inputs, split_spec=spec)
+                pipe = pipeline(traced, args, mb_kwargs=kwargs or None, split_spec=spec)
         except Exception as error:
-            raise ValueError(_explain(self._name, error)) from error
+            raise ValueError(explain_failure(self._name, error)) from error
+        placeholders = [node.name for node in pipe.split_gm.graph.nodes if node.op == "placeholder"]
+        if len(placeholders) != len(inputs):
+            raise RuntimeError(
+                f"pipeline tracing: {self._name}'s trace takes {len(placeholders)} inputs {placeholders} for "
+                f"{len(inputs)} tensors of {self.call.describe()}. HINT: report this with the network's forward"
+            )
         leaves, self._out_spec = pytree.tree_flatten(outputs[-1])
+        self._scalars = frozenset(
+            i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and not leaf.dim()
+        )
         odd = [type(leaf).__name__ for leaf in leaves if not isinstance(leaf, torch.Tensor)]
         if odd:
             raise ValueError(
@@ -162,13 +190,15 @@ class TracedNetwork:
         return pipe
 
 
-def check_traceable(network: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor]) -> TracedNetwork:
+def check_traceable(
+    network: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor], call: NetworkCall | None = None
+) -> TracedNetwork:
     """Trace ``network`` split at every block, before any process starts; raise one ValueError line if it fails.
 
     Splitting at every block exposes every value that could cross a stage boundary, so any coarser split
     of the same blocks traces too. Returns the traced network (blocks and costs) for reuse.
     """
-    return TracedNetwork(network, example_inputs)
+    return TracedNetwork(network, example_inputs, call)
 
 
 def prune_children(network: nn.Module, keep: Iterable[str], blocks: Sequence[str]) -> None:
@@ -216,45 +246,60 @@ def _modes(network: nn.Module) -> dict[str, bool]:
     return {name: module.training for name, module in network.named_modules() if not isinstance(module, nn.Identity)}
 
 
+def _blocks(traced: nn.Module) -> list[str]:
+    """The submodules a traced module's graph calls exactly once, in call order; one whose own calls include a
+    stack of layers (numbered items, ``h.0``, ``layer.3``), at any depth, is replaced by its own blocks. A model
+    that wraps its whole stack in one child (``model.transformer``) thus splits between layers, while a layer's
+    own parts (attention, MLP) stay together."""
+    calls = [str(node.target).split("@")[0] for node in traced.graph.nodes if node.op == "call_module"]  # type: ignore[union-attr]
+    found: list[str] = []
+    for name in dict.fromkeys(call for call in calls if calls.count(call) == 1):
+        child = traced.get_submodule(name)
+        inner = _blocks(child) if isinstance(getattr(child, "graph", None), torch.fx.Graph) else []
+        if any(part.isdigit() for block in inner for part in block.split(".")):
+            found += [f"{name}.{block}" for block in inner]
+        else:
+            found.append(name)
+    return found
+
+
 def _real_name(name: str) -> str:
     """``shared@1.weight`` (a second call of ``shared`` in torch's unflattened graph) -> ``shared.weight``."""
     return ".".join(part.split("@")[0] for part in name.split("."))
 
 
-def _aliases(meta: nn.Module) -> dict[str, list[str]]:
-    """Every name of each parameter (a tied embedding and head: one tensor under two names)."""
+def _aliases(network: nn.Module) -> dict[str, list[str]]:
+    """Every name of each parameter and buffer -> all names of that tensor (tied weights have several)."""
     names: dict[int, list[str]] = {}
-    for name, param in meta.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
+    for name, tensor in [
+        *network.named_parameters(remove_duplicate=False),
+        *network.named_buffers(remove_duplicate=False),
+    ]:
+        names.setdefault(id(tensor), []).append(name)
     return {name: group for group in names.values() for name in group}
 
 
 def _rebind(stage: nn.Module, network: nn.Module, label: str, aliases: dict[str, list[str]]) -> None:
-    """Point every parameter and buffer slot of a traced stage at ``network``'s tensor of the same name (or, for a
-    tied parameter whose traced name was pruned, under another of its names)."""
+    """Point every parameter and buffer slot of a traced stage at ``network``'s tensor of the same name, or of
+    another name of the same tensor: torch's trace names a tied weight by one of its names (``lm_head.weight`` for
+    the embedding too), and a rank may hold it only under another (the embedding's, with the head pruned)."""
     for store, named, lookup in (
         ("_parameters", stage.named_parameters, network.get_parameter),
         ("_buffers", stage.named_buffers, network.get_buffer),
     ):
         for name, _ in list(named(remove_duplicate=False)):
             owner, _, leaf = name.rpartition(".")
-            try:
-                real = _lookup(lookup, _real_name(name), aliases)
-            except AttributeError as error:
+            real = None
+            for candidate in dict.fromkeys([_real_name(name), *aliases.get(_real_name(name), [])]):
+                with contextlib.suppress(AttributeError):
+                    real = lookup(candidate)
+                    break
+            if real is None:
                 raise ValueError(
                     f"{label} reads {store[1:-1]} {_real_name(name)!r}, which the network does not hold. "
                     "HINT: build only the stages whose blocks this rank kept (see prune_children)."
-                ) from error
+                )
             getattr(stage.get_submodule(owner), store)[leaf] = real
-
-
-def _lookup(lookup: Callable[[str], torch.Tensor], name: str, aliases: dict[str, list[str]]) -> torch.Tensor:
-    for candidate in aliases.get(name, [name]):
-        try:
-            return lookup(candidate)
-        except AttributeError:
-            continue
-    return lookup(name)  # raises, naming the traced name
 
 
 def _canonical_names(stage: nn.Module, meta: nn.Module) -> set[str]:
@@ -282,65 +327,3 @@ def _flop_costs(stages: Sequence[nn.Module], inputs: tuple[torch.Tensor, ...]) -
     for param in stages[0].parameters() if stages else []:
         param.grad = None
     return costs
-
-
-def _check_boundary(stage: nn.Module, name: str, next_block: str | None) -> None:
-    """Every value a stage hands on must be a tensor of a static shape: ``PipelineStage`` sends only those."""
-    if next_block is None:
-        return
-    for node in _output_nodes(stage):
-        value = node.meta.get("val")
-        where = _where(node.meta.get("stack_trace", ""))
-        if not isinstance(value, torch.Tensor):
-            numeric = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
-            kind = "Python number" if isinstance(value, numeric) else type(value).__name__
-            raise ValueError(
-                f"pipeline tracing: {name}.forward passes a {kind} computed{where} to "
-                f"block {next_block!r} across a stage boundary; stages exchange tensors only. HINT: keep it a "
-                "tensor (no .item()), or split elsewhere."
-            )
-        if any(not isinstance(size, int) for size in value.shape):
-            raise ValueError(
-                f"pipeline tracing: {name}.forward passes a tensor whose shape {tuple(value.shape)} depends on the "
-                f"data{where} to block {next_block!r} across a stage boundary. HINT: keep data-dependent shapes "
-                "(boolean masks, nonzero) inside one block, or split elsewhere."
-            )
-
-
-def _output_nodes(stage: nn.Module) -> list[torch.fx.Node]:
-    graph = stage.graph  # torch's split returns each stage as a GraphModule
-    if not isinstance(graph, torch.fx.Graph):
-        raise RuntimeError(f"{type(stage).__name__} is not a traced stage: it has no fx graph. HINT: report this.")
-    found: list[torch.fx.Node] = []
-    torch.fx.node.map_arg(graph.output_node().args, found.append)
-    return found
-
-
-def _where(stack_trace: str) -> str:
-    """`` at file.py:12 (code)`` for the innermost frame of a torch stack trace, or ``""``."""
-    matches = _SOURCE.findall(stack_trace)
-    if not matches:
-        return ""
-    path, line, _ = matches[-1]
-    code = linecache.getline(path, int(line)).strip()
-    return f" at {path}:{line}" + (f" ({code})" if code else "")
-
-
-def _explain(name: str, error: Exception) -> str:
-    """One line saying which construct of the forward torch could not trace, where, and what to do."""
-    chain: list[BaseException] = []
-    cause: BaseException | None = error
-    while cause is not None:
-        chain.append(cause)
-        cause = cause.__cause__ or cause.__context__
-    where = _where("\n".join(str(e) for e in chain))
-    if any(isinstance(e, GuardOnDataDependentSymNode) for e in chain):
-        return (
-            f"pipeline tracing: {name}.forward branches on a tensor value{where}. HINT: make the branch a "
-            "module-level choice (a constructor argument), or wrap the network as an nn.Sequential of blocks."
-        )
-    first = str(chain[-1]).strip().splitlines()[0] if str(chain[-1]).strip() else type(chain[-1]).__name__
-    return (
-        f"pipeline tracing: torch.export cannot trace {name}.forward{where}: {type(chain[-1]).__name__}: {first}. "
-        "HINT: remove that construct from forward, or wrap the network as an nn.Sequential of blocks."
-    )

@@ -19,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_parallel.dims import ParallelDims
+from lightning_parallel.pipeline.call import NetworkCall
 from lightning_parallel.pipeline.partition import Partition
 from lightning_parallel.pipeline.runtime import PipelineRuntime
 from lightning_parallel.pipeline.schedule_plan import SCHEDULES, ScheduleSpec, resolve_schedule
@@ -125,6 +126,7 @@ class PipelineParallelStrategy(PipelinedStep):
         self._split: NetworkSplit | None = None
         self._tied: list[TiedGroup] = []
         self._example: tuple[torch.Tensor, ...] | None = None
+        self._call: NetworkCall | None = None
         self._runtime: PipelineRuntime | None = None
         self._parallelized = False
         self._fresh_grads: list[torch.Tensor | None] | None = None

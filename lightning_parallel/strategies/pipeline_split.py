@@ -17,11 +17,12 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
 from lightning_parallel.pipeline.batchnorm import defer_batchnorm
+from lightning_parallel.pipeline.call import NetworkCall, network_call
 from lightning_parallel.pipeline.partition import Partition
 from lightning_parallel.pipeline.profile import measure_block_costs
 from lightning_parallel.pipeline.schedule_plan import ScheduleSpec
 from lightning_parallel.pipeline.split import NetworkSplit, TracedSplit, network_split
-from lightning_parallel.pipeline.tied import TiedGroup, broadcast_tied_values
+from lightning_parallel.pipeline.tied import TiedGroup, broadcast_tied_values, refuse_ties_within_a_rank
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.stage_sharding import (
     refuse_traced_sharding,
@@ -49,6 +50,7 @@ class PipelineSplit(MeshStrategy):
     _split: NetworkSplit | None
     _tied: list[TiedGroup]
     _example: tuple[torch.Tensor, ...] | None
+    _call: NetworkCall | None
     _tensor_plan: tuple[str, dict[str, str], dict[str, str]] | None
     _batchnorms: list[_BatchNorm]
     _parallelized: bool
@@ -95,12 +97,13 @@ class PipelineSplit(MeshStrategy):
                 "backward together in its schedule inside training_step. HINT: use automatic optimization, or "
                 "strategy='ddp' / 'tensor'"
             )
-        example = self._example_inputs(module, batch, "training_step")
-        if example is None and not isinstance(network, nn.Sequential):
+        captured = self._example_inputs(module, batch, "training_step")
+        if captured is None and not isinstance(network, nn.Sequential):
             return  # traced in setup, where the data module's first batch exists
         # Checks the split is possible (it traces, enough blocks, a valid explicit split); a time-balanced
         # split is measured later, in setup, where a sample batch exists.
-        self._plan_split(network_split(network, example), None)
+        call, example = captured if captured is not None else (None, None)
+        self._plan_split(network_split(network, example, call), None)
 
     def network_of(self, module: pl.LightningModule) -> nn.Module:
         return self.find_network(module, nn.Module, "pipeline parallelism needs the network as an nn.Module")
@@ -123,17 +126,21 @@ class PipelineSplit(MeshStrategy):
                 "nn.Sequential of blocks, or use pipeline_parallel_size=1 / strategy='tensor'"
             )
 
-    def _example_inputs(self, module: pl.LightningModule, batch: Any, step: str) -> tuple[torch.Tensor, ...] | None:
-        """What the network receives: from `example_input_array` through forward, else from `batch` through
-        the user's own step (stopped at the network call)."""
+    def _example_inputs(
+        self, module: pl.LightningModule, batch: Any, step: str
+    ) -> tuple[NetworkCall, tuple[torch.Tensor, ...]] | None:
+        """How the network is called and the tensors it receives: from `example_input_array` through forward,
+        else from `batch` through the user's own step (stopped at the network call)."""
         network = self.network_of(module)
         example = getattr(module, "example_input_array", None)
         if example is not None:
-            args = example if isinstance(example, tuple) else (example,)
-            return capture_network_inputs(lambda: module(*args), network, module)
-        if batch is None:
+            given = example if isinstance(example, tuple) else (example,)
+            args, kwargs = capture_network_inputs(lambda: module(*given), network, module)
+        elif batch is None:
             return None
-        return capture_network_inputs(lambda: getattr(module, step)(batch, 0), network, module)
+        else:
+            args, kwargs = capture_network_inputs(lambda: getattr(module, step)(batch, 0), network, module)
+        return network_call(network, args, kwargs)
 
     def _plan_split(self, split: NetworkSplit, block_costs: list[float] | None) -> Partition:
         balance = self.balance
@@ -148,6 +155,8 @@ class PipelineSplit(MeshStrategy):
             balance=balance,
             block_costs=block_costs,
         )
+        if self.spec.splits_backward:
+            refuse_ties_within_a_rank(split.tied_blocks(), partition.stages, partition.stage_to_rank, self.spec.name)
         self._tied = split.tied_across_ranks(partition)
         return partition
 
@@ -195,8 +204,9 @@ class PipelineSplit(MeshStrategy):
             with suppress(Exception):  # a check only: no batch to check on is no error
                 batch = self.first_batch(trainer)
         fn = trainer.state.fn.value if trainer.state.fn is not None else "predict"
-        self._example = self._example_inputs(module, batch, step.get(fn, "predict_step"))
-        self._split = network_split(network, self._example)
+        captured = self._example_inputs(module, batch, step.get(fn, "predict_step"))
+        self._call, self._example = captured if captured is not None else (None, None)
+        self._split = network_split(network, self._example, self._call)
         costs = self._measured_costs(network) if self.balance == "time" else None
         self._partition = self._plan_split(self._split, costs)
         traced = isinstance(self._split, TracedSplit)

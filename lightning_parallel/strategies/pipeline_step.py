@@ -18,6 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_parallel.pipeline.batchnorm import batchnorm_notice, commit_batchnorm
+from lightning_parallel.pipeline.call import network_call
 from lightning_parallel.pipeline.runtime import PipelineRuntime, put_gradients, take_gradients
 from lightning_parallel.pipeline.schedule_plan import analytic_bubble
 from lightning_parallel.pipeline.split import TracedSplit
@@ -59,7 +60,8 @@ class PipelinedStep(PipelineSplit):
             return
         if self._runtime is not None:
             return
-        self._micro_steps = MicroSteps(module, network, self._user_step)
+        assert self._split is not None  # split in parallelize(), before on_device()
+        self._micro_steps = MicroSteps(module, network, self._user_step, self._split.output)
         self._runtime = self._build_runtime(self.pp_rank)
         if self.global_rank == 0:
             rank_zero_info(
@@ -111,8 +113,8 @@ class PipelinedStep(PipelineSplit):
         assert module is not None
         network = self.network_of(module)
         batch, self._step_rest, self._step_kwargs = args[0], args[1:], kwargs
-        inputs = capture_network_inputs(lambda: self._user_step(batch), network, module)
-        rows = inputs[0].shape[0] if inputs and isinstance(inputs[0], torch.Tensor) else 0
+        inputs = self._network_inputs(network, capture_network_inputs(lambda: self._user_step(batch), network, module))
+        rows = inputs[0].shape[0]
         micro_steps = self.micro_steps
         micro_steps.begin(batch, rows)
         params = self.local_parameters()
@@ -132,6 +134,20 @@ class PipelinedStep(PipelineSplit):
             raise StepRefused(step_report.error)
         replay_logs(module, step_report.records, holds_metrics=self.runtime.has_last)
         return torch.tensor(value, dtype=torch.float32, device=self.root_device)
+
+    def _network_inputs(self, network: nn.Module, called: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[Any, ...]:
+        """The tensors stage 0 takes, checked to be passed the way the split was traced (`self._call`)."""
+        try:
+            call, inputs = network_call(network, *called)
+        except ValueError as error:
+            raise StepRefused(str(error)) from error
+        if self._call is not None and call != self._call:
+            raise StepRefused(
+                f"this step calls the network as {call.describe()}, but the pipeline was traced for "
+                f"{self._call.describe()}. HINT: pass the same tensors and flags to the network in every step "
+                "(training and evaluation)"
+            )
+        return inputs
 
     def _user_step(self, batch: Any) -> Any:
         return super().training_step(batch, *self._step_rest, **self._step_kwargs)
@@ -156,15 +172,22 @@ class PipelinedStep(PipelineSplit):
 
         return loss
 
-    def _pipelined_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if kwargs:
-            raise RuntimeError(f"pipelined networks take positional inputs only; got keywords {sorted(kwargs)}")
-        output = self.runtime.forward(tuple(args))
-        meta = [(output.shape, output.dtype)] if output is not None else [None]
+    def _pipelined_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The network call of an evaluation step: a forward-only schedule, its output's tensors broadcast from the
+        last stage and rebuilt into the network's own output (a tensor, tuple, dict or ModelOutput) on every rank."""
+        network = self.network_of(self.module)
+        output = self.runtime.forward(self._network_inputs(network, (args, kwargs)))
+        leaves: list[torch.Tensor] = [] if output is None else list(output) if isinstance(output, tuple) else [output]
+        meta = [(isinstance(output, tuple), [(t.shape, t.dtype) for t in leaves])] if output is not None else [None]
         dist.broadcast_object_list(meta, src=self._last_stage_rank(), group=self.group("pp"))
         assert meta[0] is not None  # the last stage always has an output
-        shape, dtype = meta[0]
-        return self._from_last_stage(output, shape, dtype)
+        several, shapes = meta[0]
+        tensors = [
+            self._from_last_stage(leaves[i] if leaves else None, shape, dtype)
+            for i, (shape, dtype) in enumerate(shapes)
+        ]
+        assert self._split is not None
+        return self._split.output(tuple(tensors) if several else tensors[0])
 
     def _from_last_stage(self, tensor: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """Broadcast a tensor from the rank holding the last stage to every rank of the pipeline."""

@@ -49,27 +49,25 @@ class StepRefused(RuntimeError):
 
 
 class _NetworkCalled(Exception):  # noqa: N818 - control flow, not an error
-    def __init__(self, args: tuple[Any, ...]) -> None:
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         super().__init__()
-        self.inputs = args
+        self.args_, self.kwargs = args, kwargs
 
 
-def capture_network_inputs(run_step: Callable[[], Any], network: nn.Module, module: nn.Module) -> tuple[Any, ...]:
-    """Run the user's step until it calls the network and return what the network receives (logs muted)."""
+def capture_network_inputs(
+    run_step: Callable[[], Any], network: nn.Module, module: nn.Module
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Run the user's step until it calls the network; return what the network receives, positional and keyword
+    arguments (logs muted)."""
 
     def stop_at_network(*args: Any, **kwargs: Any) -> Any:
-        if kwargs:
-            raise StepRefused(
-                f"the network is called with keyword arguments {sorted(kwargs)}; a pipeline passes positional "
-                "tensors between stages. HINT: call it as self(x) / self.<network>(x, ...) with positional inputs"
-            )
-        raise _NetworkCalled(args)
+        raise _NetworkCalled(args, kwargs)
 
     with swap_attribute(network, "forward", stop_at_network), swap_attribute(module, "log", _ignore):
         try:
             run_step()
         except _NetworkCalled as called:
-            return called.inputs
+            return called.args_, called.kwargs
     raise StepRefused(
         f"{type(module).__name__}.training_step never called its network, so there is nothing to pipeline. "
         "HINT: compute the loss from self(x) or self.<network>(x)"
@@ -106,12 +104,21 @@ class MicroSteps:
         module: the LightningModule.
         network: the (pruned) network whose output is substituted.
         run_step: calls the user's training_step on a batch (the strategy adds the other step arguments).
+        rebuild: turns what the last stage returns (a tensor or a flat tuple of tensors) into the network's own output
+            (a tuple, dict or ``ModelOutput``), what the user's step reads (``out.loss``).
     """
 
-    def __init__(self, module: pl.LightningModule, network: nn.Module, run_step: Callable[[Any], Any]) -> None:
+    def __init__(
+        self,
+        module: pl.LightningModule,
+        network: nn.Module,
+        run_step: Callable[[Any], Any],
+        rebuild: Callable[[Any], Any] = lambda value: value,
+    ) -> None:
         self.module = module
         self.network = network
         self.run_step = run_step
+        self.rebuild = rebuild
         self._param_names = {id(p): name for name, p in module.named_parameters()}
         self._metric_paths = {id(m): name for name, m in module.named_modules() if isinstance(m, Metric)}
         self._batch: Any = None
@@ -130,7 +137,7 @@ class MicroSteps:
         records: list[LogRecord] = []
         try:
             with (
-                swap_attribute(self.network, "forward", _once(output)),
+                swap_attribute(self.network, "forward", _once(self.rebuild(output))),
                 swap_attribute(self.module, "log", self._recorder(records)),
                 _ParameterGuard(self._param_names),
             ):

@@ -1,0 +1,166 @@
+"""LightningModules around tiny, randomly initialised Hugging Face `transformers` models, written the way their users
+write them: the model in `self.model`, called with keyword arguments and `labels`, the loss read from `out.loss`.
+Nothing here knows about our strategies. Needs `transformers` (the dev extra); the library itself never imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+VOCAB, SEQ, SAMPLES, CLASSES = 64, 16, 64, 3
+
+
+def gpt2(tied: bool = True) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    # dropout off: a parity test compares two runs' arithmetic, and dropout masks differ between them
+    config = GPT2Config(
+        n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def bert() -> torch.nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=SEQ, num_labels=CLASSES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return BertForSequenceClassification(config)
+
+
+class HFLM(pl.LightningModule):
+    """A causal LM as its users write it: labels are the very input tensor (the model shifts them) and the loss comes
+    back inside the model's output. `tied=False` unties the embedding from the head."""
+
+    def __init__(self, lr: float = 0.1, tied: bool = True) -> None:
+        super().__init__()
+        self.model = gpt2(tied)
+        self.lr = lr
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"]
+        out = self.model(input_ids=ids, labels=ids)
+        self.log("loss", out.loss)
+        return out.loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        out = self.model(input_ids=batch["input_ids"], labels=batch["input_ids"])
+        self.log("val_loss", out.loss)
+        self.log("val_logit_mean", out.logits.mean())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class HFClassifier(pl.LightningModule):
+    """An encoder classifier: token ids, an attention mask and labels by keyword, a tuple batch."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__()
+        self.model = bert()
+        self.lr = lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, mask, labels = batch
+        out = self.model(input_ids=ids, attention_mask=mask, labels=labels)
+        self.log("train_loss", out.loss, prog_bar=True)
+        return out.loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        ids, mask, labels = batch
+        out = self.model(input_ids=ids, attention_mask=mask, labels=labels)
+        self.log("val_loss", out.loss)
+        self.log("val_acc", (out.logits.argmax(-1) == labels).float().mean())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class DictDataset(torch.utils.data.Dataset):
+    """Token rows as a tokenizer's output gives them: a dict per sample."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index]}
+
+
+def token_loader(*, batch_size: int = 8, seed: int = 0) -> DataLoader:
+    ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=torch.Generator().manual_seed(seed))
+    return DataLoader(DictDataset(ids), batch_size=batch_size, shuffle=False)
+
+
+def classification_loader(*, batch_size: int = 8, seed: int = 0) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=generator)
+    mask = torch.ones(SAMPLES, SEQ, dtype=torch.long)  # every token counted: micro-batch means average exactly
+    labels = torch.randint(0, CLASSES, (SAMPLES,), generator=generator)
+    return DataLoader(TensorDataset(ids, mask, labels), batch_size=batch_size, shuffle=False)
+
+
+MODULES: dict[str, Any] = {
+    "gpt2": HFLM,
+    "gpt2_untied": lambda: HFLM(tied=False),
+    "bert": HFClassifier,
+}
+LOADERS: dict[str, Any] = {name: token_loader for name in MODULES if name.startswith("gpt2")}
+LOADERS["bert"] = classification_loader
+
+
+def build(name: str) -> pl.LightningModule:
+    torch.manual_seed(0)
+    return MODULES[name]()
+
+
+def fit(
+    name: str,
+    *,
+    strategy: Any,
+    devices: int,
+    steps: int,
+    batch_size: int = 8,
+    save_every: int | None = None,
+    save_dir: str | None = None,
+    ckpt_path: str | None = None,
+    validate: bool = True,
+) -> dict[str, Any]:
+    """Fit `MODULES[name]` with the user's defaults (use_distributed_sampler=True, a sanity check), with `validate`
+    on 2 batches every 2 steps; per-step losses, logged metrics, this process's weights. `save_every` writes
+    `step=<N>.ckpt` into `save_dir`; `ckpt_path` resumes."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from user_modules import Loss
+
+    pl.seed_everything(0, verbose=False)
+    module, losses = build(name), Loss()
+    callbacks: list[pl.Callback] = [losses]
+    if save_every is not None:
+        callbacks.append(ModelCheckpoint(save_dir, filename="{step}", save_top_k=-1, every_n_train_steps=save_every))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=save_every is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        val_check_interval=2,
+        limit_val_batches=2 if validate else 0,
+    )
+    loader = LOADERS[name]
+    trainer.fit(module, loader(batch_size=batch_size), loader(batch_size=batch_size, seed=1), ckpt_path=ckpt_path)
+    state = {n: p.detach().cpu().clone() for n, p in module.named_parameters(remove_duplicate=False)}
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    return {"losses": losses.losses, "state": state, "metrics": metrics, "step": trainer.global_step}
