@@ -161,6 +161,22 @@ def fit(
     )
     loader = LOADERS[name]
     trainer.fit(module, loader(batch_size=batch_size), loader(batch_size=batch_size, seed=1), ckpt_path=ckpt_path)
-    state = {n: p.detach().cpu().clone() for n, p in module.named_parameters(remove_duplicate=False)}
+    state = {n: _whole(p) for n, p in module.named_parameters(remove_duplicate=False)}
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    return {"losses": losses.losses, "state": state, "metrics": metrics, "step": trainer.global_step}
+    sharded = sum(_is_dtensor(p) for p in module.parameters())
+    step = trainer.global_step
+    return {"losses": losses.losses, "state": state, "metrics": metrics, "step": step, "sharded": sharded}
+
+
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's full value on CPU (a tensor-parallel DTensor gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    value = param.full_tensor() if isinstance(param, DTensor) else param
+    return value.detach().cpu().clone()
+
+
+def _is_dtensor(param: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor)

@@ -266,3 +266,58 @@ def test_gpt2_checkpoint_saved_on_two_stages_resumes_on_four_like_an_uninterrupt
     tail = {**straight, "losses": straight["losses"][2:]}
     worst = max(assert_matches(result, tail, results, steps=STEPS - 2) for result in results)
     print(f"gpt2 resumed on 4 stages: max abs diff {worst:.2e}")
+
+
+# BERT's own tp_plan is empty: the layers to shard are named, Megatron-style (q/k/v and the MLP's first layer by
+# output features, each pair's second layer by input features)
+BERT_PLAN = {
+    "bert.encoder.layer.*.attention.self.query": "colwise",
+    "bert.encoder.layer.*.attention.self.key": "colwise",
+    "bert.encoder.layer.*.attention.self.value": "colwise",
+    "bert.encoder.layer.*.attention.output.dense": "rowwise",
+    "bert.encoder.layer.*.intermediate.dense": "colwise",
+    "bert.encoder.layer.*.output.dense": "rowwise",
+}
+
+
+# GPT-2's MLP pairs, transformers' Conv1D (`tensor/transposed_linear.py`). Not its attention: one fused q|k|v
+# projection, split by the global width in forward, which a column shard would cut across q, k and v
+GPT2_PLAN = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+
+
+@pytest.mark.slow
+def test_hugging_face_models_under_the_tensor_strategy_match_one_device(tmp_path: Path) -> None:
+    """Tensor parallelism at tp=2 on unmodified Hugging Face models (keyword calls, loss inside), given a plan."""
+    from distributed import run_workers
+    from hf_modules import fit
+
+    plans = {"bert": BERT_PLAN, "gpt2": GPT2_PLAN}
+    configs = [
+        {"name": name, "devices": 2, "steps": STEPS, "kind": "tensor", "validate": True,
+         "strategy": {"tensor_parallel_size": 2, "plan": plan}}
+        for name, plan in plans.items()
+    ]  # fmt: skip
+    ranks = run_workers("hf_pipeline", 2, configs, tmp_path)
+    for index, model in enumerate(plans):
+        ref = fit(model, strategy="auto", devices=1, steps=STEPS)
+        for rank in ranks:
+            result = rank[index]
+            gap = max(abs(a - b) for a, b in zip(result["losses"], ref["losses"], strict=True))
+            assert len(result["losses"]) == STEPS and gap < TOL, (model, result["losses"], ref["losses"])
+            assert result["state"].keys() == ref["state"].keys()
+            for name, value in ref["state"].items():
+                torch.testing.assert_close(result["state"][name], value, rtol=0, atol=TOL, msg=f"{model} {name}")
+            assert abs(result["metrics"]["val_loss"] - ref["metrics"]["val_loss"]) < TOL
+            assert result["sharded"] > 0, model  # the plan was applied: DTensor parameters
+
+
+def test_an_empty_model_plan_is_refused_in_one_line() -> None:
+    """A Hugging Face model's `tp_plan` is an empty dict for GPT-2 and BERT: sharding nothing at tp=2 would run the
+    whole network on every rank, so the plan is asked for instead."""
+    from hf_modules import gpt2
+
+    from lightning_parallel.strategies.tensor import resolve_plan
+
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel\.tp_plan is empty") as error:
+        resolve_plan(gpt2(), None, tensor_parallel_size=2, sequence_parallel=False)
+    assert "HINT" in str(error.value) and "\n" not in str(error.value)

@@ -96,13 +96,13 @@ def test_every_style_applies_and_shards_what_its_row_says(name: str, module_type
     check_plan(model, {"m": name}, tensor_parallel_size=2, sequence_parallel=False)
     with fake_world(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        if module_type is TransposedLinear:  # torch's styles take nn.Linear: sharded only inside traced stages
-            with pytest.raises(ValueError, match="Conv1D is sharded only inside traced pipeline stages"):
-                apply_plan(model, {"m": name}, mesh, sequence_parallel=False)
-            distribute_planned(model["m"], name, mesh)
-        else:
-            apply_plan(model, {"m": name}, mesh, sequence_parallel=False)
-        for key, param in model["m"].named_parameters():
+        apply_plan(model, {"m": name}, mesh, sequence_parallel=False)
+        sharded = [model["m"]]
+        if module_type is TransposedLinear:  # its own torch styles (transposed_linear.py), and inside traced stages
+            traced = example(module_type)
+            distribute_planned(traced, name, mesh)
+            sharded.append(traced)
+        for key, param in (item for each in sharded for item in each.named_parameters()):
             if key in split:
                 assert isinstance(param, DTensor) and param.placements == (Shard(split[key]),), (name, key)
                 assert param.to_local().shape[split[key]] * 2 == param.shape[split[key]]

@@ -275,6 +275,14 @@ def resolve_plan(
     else:
         source = "argument" if plan is not None else "model"
         exact = expand_plan(network, plan if isinstance(plan, Mapping) else own)  # type: ignore[arg-type]
+        if tensor_parallel_size > 1 and not exact:
+            # e.g. a Hugging Face model, whose `tp_plan` attribute is an empty dict for most architectures
+            where = "the plan argument" if plan is not None else f"{type(network).__name__}.tp_plan"
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size}: {where} is empty, so nothing would be sharded and "
+                "every rank would compute the whole network. HINT: pass plan={'<module name pattern>': 'colwise' | "
+                "'rowwise' | ...} naming the layers to shard"
+            )
     check_plan(network, exact, tensor_parallel_size=tensor_parallel_size, sequence_parallel=sequence_parallel)
     return source, exact, replicated
 

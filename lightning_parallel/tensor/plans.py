@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.tensor.styles import STYLE_TRAITS, Conv1D
+from lightning_parallel.tensor.transposed_linear import TRANSPOSED_STYLES
 
 # style name -> what it does (the one-line descriptions of `styles.STYLE_TRAITS`)
 STYLES: dict[str, str] = {name: traits.description for name, traits in STYLE_TRAITS.items()}
@@ -125,14 +126,19 @@ def apply_plan(model: nn.Module, plan: Mapping[str, str], mesh: DeviceMesh, *, s
 
     Ranks must already hold identical weights (the strategy broadcasts them), so shards are cut locally.
     """
+    styles: dict[str, ParallelStyle | None] = {}
     for name, style in plan.items():
         if isinstance(model.get_submodule(name), Conv1D) and STYLE_TRAITS[style].shardings:
-            raise ValueError(
-                f"tensor plan: {name} is a Conv1D (a transposed Linear); torch's {style!r} style takes nn.Linear, so "
-                "Conv1D is sharded only inside traced pipeline stages. HINT: map it to 'replicate', or use the "
-                "pipeline strategy with pipeline_parallel_size > 1 on a network that is not an nn.Sequential"
-            )
-    styles = {name: make_style(style, sequence_parallel=sequence_parallel) for name, style in plan.items()}
+            if style not in TRANSPOSED_STYLES or sequence_parallel:
+                raise ValueError(
+                    f"tensor plan: {name} is a Conv1D (a transposed Linear), which takes 'colwise' or 'rowwise' "
+                    f"without sequence parallelism, not {style!r}"
+                    f"{' with sequence_parallel=True' if sequence_parallel else ''}. HINT: map it to 'colwise', "
+                    "'rowwise' or 'replicate'"
+                )
+            styles[name] = TRANSPOSED_STYLES[style]()
+        else:
+            styles[name] = make_style(style, sequence_parallel=sequence_parallel)
     active = {name: style for name, style in styles.items() if style is not None}
     if active:
         parallelize_module(model, mesh, active, src_data_rank=None)

@@ -30,8 +30,8 @@ MakeStyle = Callable[[bool], ParallelStyle | None]  # sequence_parallel -> torch
 class Conv1D(ABC):  # noqa: B024 - a marker recognised by __subclasshook__, nothing to implement
     """transformers' `Conv1D` (GPT-2's projections), recognised by class name (this library does not import
     transformers): a Linear whose weight is stored transposed, (in `nx`, out `nf`), computed as
-    `addmm(bias, x, weight)`. torch's styles take nn.Linear only, so it is sharded only inside traced pipeline stages,
-    which compute on its DTensor shards (`traced_stages.py`)."""
+    `addmm(bias, x, weight)`. torch's styles take nn.Linear only: `transposed_linear.py` has its column and row styles,
+    and traced pipeline stages compute on its DTensor shards (`traced_stages.py`)."""
 
     @classmethod
     def __subclasshook__(cls, other: type) -> bool:
@@ -144,12 +144,12 @@ _ALL_REDUCE_INPUT = (("all_reduce", "input"),)  # backward: the replicated input
 _ALL_REDUCE_OUTPUT = (("all_reduce", "output"),)  # forward: partial outputs are summed
 _TABLE = (
     StyleTraits(
-        "colwise", "Linear/Embedding (Conv1D in traced stages): shard output features; input replicated", _colwise,
+        "colwise", "Linear/Embedding/Conv1D: shard output features; input replicated", _colwise,
         shardings=(_OUT, Sharding(nn.Embedding, {"weight": 1}, "embedding_dim", "embedding_dim"), _OUT_T),
         sharded_output=True, collectives=_ALL_REDUCE_INPUT,
     ),
     StyleTraits(
-        "rowwise", "Linear (Conv1D in traced stages): shard input features; all-reduce the output", _rowwise,
+        "rowwise", "Linear/Conv1D: shard input features; all-reduce the output", _rowwise,
         shardings=(_IN, _IN_T), sharded_input=True, collectives=_ALL_REDUCE_OUTPUT,
     ),
     StyleTraits(

@@ -1,6 +1,7 @@
-"""Worker: fit Hugging Face-style modules (tests/hf_modules.py) under the pipeline strategy, one fit per config
-({"name", "devices", "steps", "strategy": constructor kwargs, and any of OPTIONAL}); save each fit's losses, metrics
-and local weights. An error stops the rank (the launcher stops the others)."""
+"""Worker: fit Hugging Face-style modules (tests/hf_modules.py) under the pipeline strategy (or, with "kind": "tensor",
+the tensor strategy), one fit per config ({"name", "devices", "steps", "strategy": constructor kwargs, and any of
+OPTIONAL}); save each fit's losses, metrics and local weights (tensor-parallel shards gathered).
+An error stops the rank (the launcher stops the others)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ from common import payload
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from hf_modules import fit  # noqa: E402
 
-from lightning_parallel import PipelineParallelStrategy  # noqa: E402
+from lightning_parallel import PipelineParallelStrategy, TensorParallelStrategy  # noqa: E402
 
 OPTIONAL = ("batch_size", "save_every", "save_dir", "ckpt_path", "validate")
 configs, out = payload()
 results = []
 for config in configs:
-    strategy = PipelineParallelStrategy(**config.get("strategy", {}))
+    kind = TensorParallelStrategy if config.get("kind") == "tensor" else PipelineParallelStrategy
+    strategy = kind(**config.get("strategy", {}))
     extra = {key: config[key] for key in OPTIONAL if config.get(key) is not None}
     results.append(fit(config["name"], strategy=strategy, devices=config["devices"], steps=config["steps"], **extra))
 torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")

@@ -1,0 +1,63 @@
+"""torch's column and row styles for a Linear whose weight is stored transposed, (in, out): transformers' `Conv1D`
+(GPT-2's projections), found by class name (`styles.Conv1D`; this library does not import transformers).
+
+torch's `ColwiseParallel` / `RowwiseParallel` take nn.Linear / nn.Embedding only and shard the weight's dim 0 / 1; a
+transposed weight needs the other dimension. Only the partitioning differs: inputs and outputs are laid out by
+torch's own style, and DTensor computes the module's `addmm` on the shards. Which module gets a style is a plan.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+__all__ = ["TRANSPOSED_STYLES"]
+
+
+def _partition(placements: dict[str, Placement]):  # noqa: ANN202 - distribute_module's partition_fn
+    def partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for key, placement in placements.items():
+            param = getattr(module, key, None)
+            if param is not None:
+                sharded = distribute_tensor(param.data, mesh, [placement], src_data_rank=None)
+                module.register_parameter(key, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+    return partition
+
+
+class TransposedColwiseParallel(ColwiseParallel):
+    """Shard output features: the weight's dim 1 and the bias; the input replicated, the output a local shard."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            _partition({"weight": Shard(1), "bias": Shard(0)}),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class TransposedRowwiseParallel(RowwiseParallel):
+    """Shard input features: the weight's dim 0; the bias replicated and added once; the output all-reduced."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.desired_input_layouts = (Shard(-1),)  # as torch's style sets for nn.Linear: the input's features split
+        return distribute_module(
+            module,
+            device_mesh,
+            _partition({"weight": Shard(0), "bias": Replicate()}),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+# style name -> the torch style for a transposed Linear (without sequence parallelism)
+TRANSPOSED_STYLES: dict[str, type[ParallelStyle]] = {
+    "colwise": TransposedColwiseParallel,
+    "rowwise": TransposedRowwiseParallel,
+}
