@@ -311,6 +311,29 @@ def test_hugging_face_models_under_the_tensor_strategy_match_one_device(tmp_path
             assert result["sharded"] > 0, model  # the plan was applied: DTensor parameters
 
 
+@pytest.mark.slow
+def test_hugging_face_models_at_pp2_by_tp2_match_one_device(tmp_path: Path) -> None:
+    """3D for unmodified Hugging Face models: keyword calls and the loss inside, split by tracing, each traced stage
+    computing on its DTensor shards (GPT-2's fused attention included: the stage keeps global shapes)."""
+    from distributed import run_workers
+    from hf_modules import fit
+
+    gpt2_plan = {**GPT2_PLAN, "transformer.h.*.attn.c_attn": "colwise", "transformer.h.*.attn.c_proj": "rowwise"}
+    plans = {"bert": BERT_PLAN, "gpt2": gpt2_plan}
+    configs = [
+        {"name": name, "devices": 4, "steps": STEPS, "validate": False,
+         "strategy": {"tensor_parallel_size": 2, "plan": plan, "schedule": "1f1b"}}
+        for name, plan in plans.items()
+    ]  # fmt: skip
+    ranks = run_workers("hf_pipeline", 4, configs, tmp_path)
+    for index, model in enumerate(plans):
+        ref = fit(model, strategy="auto", devices=1, steps=STEPS)
+        results = [rank[index] for rank in ranks]
+        worst = max(assert_matches(result, ref, results) for result in results)
+        assert all(result["sharded"] > 0 for result in results), model
+        print(f"{model} pp2 x tp2: max abs diff {worst:.2e}")
+
+
 def test_an_empty_model_plan_is_refused_in_one_line() -> None:
     """A Hugging Face model's `tp_plan` is an empty dict for GPT-2 and BERT: sharding nothing at tp=2 would run the
     whole network on every rank, so the plan is asked for instead."""
