@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import socket
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,20 @@ from lightning_parallel.tasks import ClassificationTask
 
 torch.set_num_threads(1)
 WORLD_SIZE = int(os.environ["WORLD_SIZE"])  # read before Lightning's teardown removes it
+
+
+def fresh_rendezvous() -> None:
+    """End this process group so the next fit makes its own, on a port rank 0 found free: re-using the first one's
+    port raced, under load, with that rendezvous store's teardown (the second fit's rendezvous failed ~1 run in 4)."""
+    port = [0]
+    if torch.distributed.get_rank() == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = [probe.getsockname()[1]]
+    torch.distributed.broadcast_object_list(port, src=0)
+    os.environ["MASTER_PORT"] = str(port[0])
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 class ServedAlone(AsyncSGDStrategy):
@@ -92,8 +107,7 @@ def main() -> None:
         trainer, task, _ = fit(AsyncSGDStrategy(), 6)
         trainer.save_checkpoint(ckpt)
         result["saved_local"] = state(task)
-        trainer.strategy.barrier()
-        torch.distributed.destroy_process_group()
+        fresh_rendezvous()
         resumed, task, run = fit(AsyncSGDStrategy(), 8, ckpt_path=str(ckpt))
         start = run["start"]
         result.update(
