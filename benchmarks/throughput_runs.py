@@ -18,7 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from ranks import bare_trainer
+from ranks import bare_trainer, batch_loader
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
@@ -200,19 +200,6 @@ class MinimalTask(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=LR)
 
 
-class BatchList(torch.utils.data.Dataset):
-    """Item i is whole batch i % len(batches), for DataLoader(batch_size=None): no collation."""
-
-    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
-        self.batches, self.length = batches, length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.batches[index % len(self.batches)]
-
-
 def autocast(device: str, precision: str) -> contextlib.AbstractContextManager:
     """The raw loop's counterpart of Lightning's precision: bf16 autocast for bf16-mixed, nothing for 32-true."""
     if precision == "bf16-mixed":
@@ -240,7 +227,7 @@ def train_lightning(run: Run, workload: Workload, device: str, precision: str, t
     assert run.strategy is not None
     task = MinimalTask(workload.build())
     trainer = bare_trainer(run.strategy(), 1, total, [ClockCallback(clock)], accelerator=device, precision=precision)
-    loader = torch.utils.data.DataLoader(BatchList(workload.batches(), total), batch_size=None, shuffle=False)
+    loader = batch_loader(workload.batches(), total)
     trainer.fit(task, train_dataloaders=loader)
 
 
