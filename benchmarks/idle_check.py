@@ -6,6 +6,8 @@ thread is in the stage's own forward/backward ops (compute), in send/recv ops or
 other ops (the loss, splitting into micro-batches, copies, gradient scaling), or in no op at all (Python: the
 schedule, hooks, autograd's engine between nodes). 2 single-threaded gloo ranks launched by torchrun.
 Usage: .venv/bin/python benchmarks/idle_check.py [--warmup 3 --steps 4 --after 4 --repeats 3]  (~1.5 min, 2 cores)
+Over 300 lines: one measurement, its worker mode and its report in one script, so a result file traces to one
+command.
 """
 
 from __future__ import annotations

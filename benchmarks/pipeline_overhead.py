@@ -4,6 +4,8 @@ single-process step for scale, and parameter bytes per rank. Writes results/pipe
 
 Launches its ranks with torchrun (ranks.py), one thread each; it does not use tests/.
 Usage: .venv/bin/python benchmarks/pipeline_overhead.py [--steps 8 --warmup 2 --repeats 10]
+Over 300 lines: one measurement, its worker mode and its report in one script, so a result file traces to one
+command.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ not compared, then every layout. Medians over the rounds are used; the overheads
 reach inside training) are solved from the calibration runs' residuals. Usage: .venv/bin/python
 benchmarks/planner_accuracy.py [--steps 20 --repeats 3]: about 16 min on 2 quiet cores, longer when other processes
 disturb runs (each such run is repeated once).
+Over 300 lines: one measurement, its worker mode and its report in one script, so a result file traces to one
+command.
 """
 
 from __future__ import annotations

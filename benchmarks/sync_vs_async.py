@@ -4,6 +4,8 @@ slower. Rank 0's weights are recorded during training (benchmarks/race.py) and e
 validation meeting paces the workers. Writes results/sync_vs_async_<n>p.{json,md} (n processes) and one loss-vs-time
 plot per workload.
 Usage: .venv/bin/python benchmarks/sync_vs_async.py [--quick] [--workloads digits gpt] [--methods ddp async_sgd]
+Over 300 lines: one measurement, its worker mode and its report in one script, so a result file traces to one
+command.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 inside forward and returning a `ModelOutput`. In one process: keyword inputs reach the stages that read them and
 chained stages equal the eager model (the same tensor passed twice included); what cannot be traced still stops with
 one line naming the source line. On 2 and 4 processes: every schedule family and a resume on more stages match one
-device (losses and final weights within 1e-5)."""
+device (losses and final weights within 1e-5).
+Over 300 lines: every Hugging Face case (pipeline, tensor, 3D, refusals) shares the same modules and checks."""
 
 from __future__ import annotations
 

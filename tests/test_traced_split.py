@@ -1,5 +1,6 @@
 """Traced pipeline splits of networks with their own forward: stages chained by hand in one process must
-compute exactly what the eager network computes, on the network's own (pruned, rebound) tensors."""
+compute exactly what the eager network computes, on the network's own (pruned, rebound) tensors.
+Over 300 lines: each construct the tracer must follow or refuse is a small case of one concept."""
 
 from __future__ import annotations
 

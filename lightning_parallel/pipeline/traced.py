@@ -4,6 +4,8 @@
 Traces a meta-device copy, never the real weights: a rank may hold only its own blocks. No process groups,
 no schedules and no Lightning here; ``chain.py`` turns torch's split into neighbour-only stages, ``trace_errors.py``
 words what the tracer cannot follow as one line naming the user's source line.
+Over 300 lines: the trace, the blocks found in it and the rebinding of traced stages to the real network are one
+concept.
 """
 
 from __future__ import annotations

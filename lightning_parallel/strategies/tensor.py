@@ -3,6 +3,7 @@
 
 The plan is the `plan` argument, else the network's `tp_plan` attribute, else an automatic one; a LightningModule
 that overrides `configure_model()` parallelises itself instead. Plan mechanics live in `tensor/plans.py`.
+Over 300 lines: the strategy and its plan resolution (argument > model `tp_plan` > automatic), which 3D reuses.
 """
 
 from __future__ import annotations
