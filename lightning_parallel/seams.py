@@ -192,3 +192,28 @@ def fit_weights_only() -> bool | None:
             return frame.f_locals["weights_only"]
         frame = frame.f_back
     return None
+
+
+# What needs a newer torch than the range's lower bound: feature -> (the first torch it passed on, what older ones do).
+# Measured with `make test-torch` on 2.11.0 and 2.12.1 (failing) and 2.13.0 / 2.14.1 / 2.15.0 (passing).
+NEEDS_TORCH: dict[str, tuple[tuple[int, int], str]] = {
+    "integer tensors between pipeline stages": (
+        (2, 13),
+        "2.11's PipelineStage makes every received buffer require grad (an error for integers), 2.12's expects a "
+        "gradient back for it",
+    ),
+    "tensor parallelism inside traced pipeline stages": (
+        (2, 13),
+        "2.11 hangs in a collective, 2.12 cannot swap a DTensor parameter in Module.to",
+    ),
+}
+
+
+def refuse_older_torch(feature: str, hint: str) -> None:
+    """Raise one line when the installed torch is older than the first one `feature` passed on (`NEEDS_TORCH`)."""
+    first, why = NEEDS_TORCH[feature]
+    if tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < first:
+        raise ValueError(
+            f"{feature} needs torch >= {first[0]}.{first[1]}, installed {torch.__version__} ({why}). HINT: pip install "
+            f"'torch>={first[0]}.{first[1]}', or {hint}"
+        )

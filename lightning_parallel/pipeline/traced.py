@@ -27,6 +27,7 @@ from lightning_parallel.pipeline.balance import split_explicit
 from lightning_parallel.pipeline.call import NetworkCall
 from lightning_parallel.pipeline.chain import rebuild_output, retarget_device, stage_flows, to_chain_stage
 from lightning_parallel.pipeline.trace_errors import check_boundary, explain_failure
+from lightning_parallel.seams import refuse_older_torch
 
 
 class TracedNetwork:
@@ -141,6 +142,7 @@ class TracedNetwork:
         if key not in self._cache:
             pipe = self._trace(inputs, [stage[0] for stage in split[1:]], modes)
             flows, outputs = stage_flows(pipe.split_gm.graph)
+            self._refuse_passed_integers(pipe.split_gm.graph, inputs, flows)
             chain = []
             for index, flow in enumerate(flows):
                 module = pipe.get_stage_module(index)
@@ -153,6 +155,17 @@ class TracedNetwork:
                 chain.append(module)
             self._cache[key] = chain
         return self._cache[key]
+
+    def _refuse_passed_integers(self, graph: torch.fx.Graph, inputs: tuple[torch.Tensor, ...], flows: list) -> None:
+        """An integer input a later stage reads (labels for a loss inside the model) is sent between stages, which
+        torch's PipelineStage does from 2.13 on (`seams.NEEDS_TORCH`): one line before launch on older torch."""
+        placeholders = [node.name for node in graph.nodes if node.op == "placeholder"]
+        integers = {name for name, t in zip(placeholders, inputs, strict=True) if not t.is_floating_point()}
+        if any(integers & set(flow.live_out) for flow in flows[:-1]):
+            refuse_older_torch(
+                "integer tensors between pipeline stages",
+                f"compute the loss in training_step from {self._name}'s output, so its integer inputs stay in stage 0",
+            )
 
     def _trace(self, inputs: tuple[torch.Tensor, ...], split_points: list[str], modes: dict[str, bool]):
         """torch's trace of the meta copy in the given modes; a failure becomes one ValueError line."""

@@ -18,6 +18,7 @@ from torch.distributed.fsdp import fully_shard
 from lightning_parallel.pipeline.runtime import StageFactory
 from lightning_parallel.pipeline.tied import TiedGroup
 from lightning_parallel.replicas import broadcast_module
+from lightning_parallel.seams import refuse_older_torch
 from lightning_parallel.strategies.tensor import resolve_plan
 from lightning_parallel.tensor.plans import apply_plan
 from lightning_parallel.tensor.traced_stages import distribute_planned, parameter_placements, run_on_mesh
@@ -65,7 +66,11 @@ def refuse_traced_sharding(
 ) -> None:
     """What tensor parallelism inside traced stages does not do yet, one line each (on every rank, before any
     collective): shard a parameter tied across stages, or run under FSDP2 replicas (whose hooks are on the real
-    modules' forwards, which traced stages never call)."""
+    modules' forwards, which traced stages never call), or run on a torch older than it passed on."""
+    refuse_older_torch(
+        "tensor parallelism inside traced pipeline stages",
+        "use tensor_parallel_size=1, or write the network as an nn.Sequential of blocks",
+    )
     if replicas == "fsdp" and dp > 1:
         raise ValueError(
             f"replicas='fsdp' does not yet shard replicas of {type(network).__name__}, which is split by tracing, "

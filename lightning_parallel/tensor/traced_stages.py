@@ -169,7 +169,13 @@ def _batch_norm(x: Any, weight: Any, bias: Any, mean: Any, var: Any, *rest: Any)
     """`aten.batch_norm` with channel-sharded parameters and statistics on local shards (statistics are per
     channel: no communication; running statistics update in place on this rank's shard)."""
     if not (_sharded(weight) or _sharded(mean)):
-        return aten.batch_norm.default(x, weight, bias, mean, var, *rest)
+        mesh = _mesh_of(x, weight, mean)
+        if mesh is None:
+            return aten.batch_norm.default(x, weight, bias, mean, var, *rest)
+        # whole on every rank, computed locally: the same result as DTensor's replicated rule, which torch 2.11 lacks
+        whole_x = x.redistribute(mesh, [Replicate()]).to_local() if isinstance(x, DTensor) else x
+        out = aten.batch_norm.default(whole_x, _local(weight), _local(bias), _local(mean), _local(var), *rest)
+        return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
     mesh = _mesh_of(weight, mean)
     assert mesh is not None
     local_x = x.redistribute(mesh, [Shard(1)]).to_local()  # (B, C / tp, ...)
