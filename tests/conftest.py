@@ -61,3 +61,10 @@ def fake_world(size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+# Integer tensors crossing stages and tensor parallelism inside traced stages need torch >= 2.13
+# (`seams.NEEDS_TORCH`); older torch refuses them in one line (test_older_torch_refuses_in_one_line).
+needs_torch_2_13 = pytest.mark.skipif(
+    tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13), reason="needs torch >= 2.13"
+)

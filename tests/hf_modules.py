@@ -135,45 +135,17 @@ def fit(
     ckpt_path: str | None = None,
     validate: bool = True,
 ) -> dict[str, Any]:
-    """Fit `MODULES[name]` with the user's defaults (use_distributed_sampler=True, a sanity check), with `validate`
-    on 2 batches every 2 steps; per-step losses, logged metrics, this process's weights. `save_every` writes
-    `step=<N>.ckpt` into `save_dir`; `ckpt_path` resumes."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from user_modules import Loss
+    """Fit `MODULES[name]` through `user_modules.fit` (the user's defaults: use_distributed_sampler=True, a sanity
+    check), with `validate` on 2 batches every 2 steps; also how many parameters are DTensors (a plan applied)."""
+    from user_modules import fit as fit_module
 
-    pl.seed_everything(0, verbose=False)
-    module, losses = build(name), Loss()
-    callbacks: list[pl.Callback] = [losses]
-    if save_every is not None:
-        callbacks.append(ModelCheckpoint(save_dir, filename="{step}", save_top_k=-1, every_n_train_steps=save_every))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=save_every is not None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        val_check_interval=2,
-        limit_val_batches=2 if validate else 0,
-    )
-    loader = LOADERS[name]
-    trainer.fit(module, loader(batch_size=batch_size), loader(batch_size=batch_size, seed=1), ckpt_path=ckpt_path)
-    state = {n: _whole(p) for n, p in module.named_parameters(remove_duplicate=False)}
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    sharded = sum(_is_dtensor(p) for p in module.parameters())
-    step = trainer.global_step
-    return {"losses": losses.losses, "state": state, "metrics": metrics, "step": step, "sharded": sharded}
-
-
-def _whole(param: torch.Tensor) -> torch.Tensor:
-    """A parameter's full value on CPU (a tensor-parallel DTensor gathered)."""
-    from torch.distributed.tensor import DTensor
-
-    value = param.full_tensor() if isinstance(param, DTensor) else param
-    return value.detach().cpu().clone()
+    module, loader = build(name), LOADERS[name]
+    result = fit_module(
+        module, strategy=strategy, devices=devices, steps=steps, shuffle=False, save_every=save_every,
+        save_dir=save_dir, ckpt_path=ckpt_path, data=loader(batch_size=batch_size),
+        val_data=loader(batch_size=batch_size, seed=1), val_check_interval=2, limit_val_batches=2 if validate else 0,
+    )  # fmt: skip
+    return {**result, "sharded": sum(_is_dtensor(p) for p in module.parameters())}
 
 
 def _is_dtensor(param: torch.Tensor) -> bool:

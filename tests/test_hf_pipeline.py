@@ -18,18 +18,13 @@ from torch import nn
 pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import needs_torch_2_13  # noqa: E402
 from hf_modules import CLASSES, SEQ, VOCAB, bert, gpt2  # noqa: E402
 
 from lightning_parallel.pipeline.call import NetworkCall, network_call  # noqa: E402
 from lightning_parallel.pipeline.traced import TracedNetwork, prune_children  # noqa: E402
 
 TOL = 1e-5
-
-# Integer tensors crossing stages and tensor parallelism inside traced stages need torch >= 2.13
-# (`seams.NEEDS_TORCH`); older torch refuses them in one line (test_older_torch_refuses_in_one_line).
-NEEDS_213 = pytest.mark.skipif(
-    tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13), reason="needs torch >= 2.13"
-)
 
 
 def chain(stages: dict[int, nn.Module], inputs: tuple[torch.Tensor, ...]) -> object:
@@ -68,7 +63,7 @@ def assert_chain_equals_eager(network: nn.Module, kwargs: dict[str, torch.Tensor
     return {"call": call, "blocks": traced.blocks, "split": split, "stages": stages}
 
 
-@NEEDS_213
+@needs_torch_2_13
 def test_causal_lm_with_labels_the_same_tensor_routes_each_keyword_and_equals_eager() -> None:
     torch.manual_seed(0)
     network = gpt2()
@@ -85,7 +80,7 @@ def test_causal_lm_with_labels_the_same_tensor_routes_each_keyword_and_equals_ea
     assert any("labels" in name for name in stage_inputs(stages[2]))
 
 
-@NEEDS_213
+@needs_torch_2_13
 def test_a_rank_holding_the_embedding_but_not_the_tied_head_binds_it_by_its_own_name() -> None:
     """The trace names the tied embedding/head weight once (as `lm_head.weight`); the first rank prunes the head."""
     torch.manual_seed(0)
@@ -102,7 +97,7 @@ def test_a_rank_holding_the_embedding_but_not_the_tied_head_binds_it_by_its_own_
     assert {id(p) for p in first.parameters()} <= {id(p) for p in network.parameters()}
 
 
-@NEEDS_213
+@needs_torch_2_13
 def test_encoder_classifier_gets_its_mask_in_every_stage_and_equals_eager() -> None:
     torch.manual_seed(0)
     network = bert()
@@ -175,7 +170,7 @@ def assert_matches(result: dict, ref: dict, results: list[dict], steps: int = ST
     return worst
 
 
-@NEEDS_213
+@needs_torch_2_13
 @pytest.mark.slow
 def test_hugging_face_models_match_one_device_under_every_schedule_family(tmp_path: Path) -> None:
     from distributed import run_workers
@@ -215,7 +210,7 @@ def test_hugging_face_models_match_one_device_under_every_schedule_family(tmp_pa
         print(f"{config['name']} {config['strategy']['schedule']}: max abs diff {worst:.2e}")
 
 
-@NEEDS_213
+@needs_torch_2_13
 def test_untraceable_keyword_call_stops_the_trainer_before_launch_naming_the_source_line() -> None:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
@@ -241,7 +236,7 @@ def test_untraceable_keyword_call_stops_the_trainer_before_launch_naming_the_sou
     assert "\n" not in message
 
 
-@NEEDS_213
+@needs_torch_2_13
 def test_split_backward_with_a_tied_weight_in_two_stages_of_one_rank_is_refused_before_launch() -> None:
     import lightning.pytorch as pl
     from hf_modules import build, token_loader
@@ -261,7 +256,7 @@ def test_split_backward_with_a_tied_weight_in_two_stages_of_one_rank_is_refused_
     assert "stages [0, 3]" in message and "pipeline rank 0" in message and "\n" not in message
 
 
-@NEEDS_213
+@needs_torch_2_13
 @pytest.mark.slow
 def test_gpt2_checkpoint_saved_on_two_stages_resumes_on_four_like_an_uninterrupted_run(tmp_path: Path) -> None:
     from distributed import run_workers
@@ -325,7 +320,7 @@ def test_hugging_face_models_under_the_tensor_strategy_match_one_device(tmp_path
             assert result["sharded"] > 0, model  # the plan was applied: DTensor parameters
 
 
-@NEEDS_213
+@needs_torch_2_13
 @pytest.mark.slow
 def test_hugging_face_models_at_pp2_by_tp2_match_one_device(tmp_path: Path) -> None:
     """3D for unmodified Hugging Face models: keyword calls and the loss inside, split by tracing, each traced stage

@@ -10,6 +10,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import needs_torch_2_13
 from distributed import run_workers
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -21,11 +22,6 @@ from lightning_parallel.strategies.stage_sharding import refuse_traced_sharding 
 
 STEPS = 3
 
-# Integer tensors crossing stages and tensor parallelism inside traced stages need torch >= 2.13
-# (`seams.NEEDS_TORCH`); older torch refuses them in one line (test_older_torch_refuses_in_one_line).
-NEEDS_213 = pytest.mark.skipif(
-    tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13), reason="needs torch >= 2.13"
-)
 GPT2_PLAN = {  # transformers' Conv1D (a transposed Linear): the attention and MLP pairs of every block
     "transformer.h.*.attn.c_attn": "colwise",
     "transformer.h.*.attn.c_proj": "rowwise",
@@ -60,7 +56,7 @@ def max_gaps(results: list[dict], ref: dict, replicas: int = 1) -> tuple[float, 
     return loss_gap, weight_gap
 
 
-@NEEDS_213
+@needs_torch_2_13
 @pytest.mark.slow
 def test_residual_cnn_and_gpt2_at_pp2_by_tp2(tmp_path: Path) -> None:
     """The CNN's automatic plan shards its conv pairs and Linear pair; GPT-2's plan its Conv1D attention and MLP
@@ -83,7 +79,7 @@ def test_residual_cnn_and_gpt2_at_pp2_by_tp2(tmp_path: Path) -> None:
     assert shapes["model.transformer.wte.weight"] == (64, 32), shapes  # tied to lm_head on the other stage: whole
 
 
-@NEEDS_213
+@needs_torch_2_13
 @pytest.mark.slow
 def test_tutorial_cnn_and_gpt2_at_dp2_by_pp2_by_tp2(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
@@ -101,7 +97,7 @@ def test_tutorial_cnn_and_gpt2_at_dp2_by_pp2_by_tp2(tmp_path: Path) -> None:
     assert "conv_colwise" in sharded.values() and "rowwise" in sharded.values(), sharded
 
 
-@NEEDS_213
+@needs_torch_2_13
 def test_fsdp_replicas_of_traced_stages_with_tensor_parallelism_are_refused_before_launch() -> None:
     strategy = PipelineParallelStrategy(tensor_parallel_size=2, data_parallel_size=2, replicas="fsdp")
     trainer = pl.Trainer(accelerator="cpu", devices=8, strategy=strategy, max_steps=1, logger=False)
@@ -110,7 +106,7 @@ def test_fsdp_replicas_of_traced_stages_with_tensor_parallelism_are_refused_befo
     assert "split by tracing" in str(raised.value) and "\n" not in str(raised.value)
 
 
-@NEEDS_213
+@needs_torch_2_13
 def test_sharding_a_parameter_tied_across_traced_stages_is_refused() -> None:
     network = torch.nn.ModuleDict({"emb": torch.nn.Embedding(8, 4), "head": torch.nn.Linear(4, 8, bias=False)})
     network["head"].weight = network["emb"].weight

@@ -215,11 +215,12 @@ def fit(
     ckpt_path: str | None = None,
     accelerator: str = "cpu",
     data: DataLoader | None = None,
+    val_data: DataLoader | None = None,
     **trainer_kwargs: Any,
 ) -> dict[str, Any]:
-    """Fit with the user's defaults (use_distributed_sampler=True); losses, logged metrics, local weights. With
-    `save_every`, a checkpoint `step=<N>.ckpt` in `save_dir` every that many optimizer steps; `ckpt_path` resumes;
-    `data` replaces the digits-sized images."""
+    """Fit with the user's defaults (use_distributed_sampler=True); losses, logged metrics, local weights, the
+    optimizer steps taken. With `save_every`, a checkpoint `step=<N>.ckpt` in `save_dir` every that many optimizer
+    steps; `ckpt_path` resumes; `data` replaces the digits-sized images; `val_data` validates."""
     pl.seed_everything(0, verbose=False)
     losses = Loss()
     callbacks: list[pl.Callback] = [losses]
@@ -238,12 +239,12 @@ def fit(
         **trainer_kwargs,
     )
     data = data if data is not None else loader(shuffle=shuffle, batch_size=batch_size)
-    trainer.fit(module, train_dataloaders=data, ckpt_path=ckpt_path)
+    trainer.fit(module, train_dataloaders=data, val_dataloaders=val_data, ckpt_path=ckpt_path)
     # DTensors gathered whole (a collective, and every rank gets here)
     # every name of a shared (tied) parameter, so one process's state lines up with each stage's
     state = {name: _whole(p).detach().cpu().clone() for name, p in module.named_parameters(remove_duplicate=False)}
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    return {"losses": losses.losses, "state": state, "metrics": metrics}
+    return {"losses": losses.losses, "state": state, "metrics": metrics, "step": trainer.global_step}
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
