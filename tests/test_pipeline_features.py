@@ -102,13 +102,17 @@ def test_deferred_batchnorm_gathers_running_statistics_over_the_whole_batch(
 
 @pytest.mark.slow
 def test_fp16_mixed_with_loss_scaling_tracks_single_process(pipeline_runs: list[dict], tmp_path: Path) -> None:
-    """The schedule back-propagates the scaled loss and ranks agree on overflow: training moves like one
-    process (without scaling inside the schedule the gradients would be divided by the scale twice)."""
+    """The schedule back-propagates the scaled loss (without scaling inside the schedule the gradients would be
+    divided by the scale twice) and ranks agree on overflow: an inf forced into a first-stage gradient at one step
+    makes every rank skip that step and halve its scale, as one process does (a last stage deciding alone would
+    step and keep its scale)."""
     ref = single("fp16_mixed", tmp_path)
+    halved = [step for step in range(1, len(ref["scales"])) if ref["scales"][step] == ref["scales"][step - 1] / 2]
+    assert halved == [3] and len(ref["scales"]) == 8  # the forced overflow, and nothing else, moved the scale
     for rank in pipeline_runs:
         got = rank["fp16_mixed"]
         assert close(got["train_loss"], ref["train_loss"], 2e-2)
-        assert got["scale"] == ref["scale"]
+        assert got["scales"] == ref["scales"]
 
 
 @pytest.mark.slow

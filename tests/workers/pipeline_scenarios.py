@@ -152,18 +152,40 @@ def deferred_batchnorm(strategy: Any, devices: int, out: Path) -> dict[str, Any]
     }
 
 
+OVERFLOW_STEP, OVERFLOW_PARAMETER = 3, "block_0.mlp.down.bias"  # on the first pipeline stage only
+
+
+class OverflowOnce(pl.Callback):
+    """Puts an inf into one first-stage gradient at one step, as an fp16 overflow would, and records the loss scale
+    after every step: every rank must skip that step and halve its scale, as one process does."""
+
+    def __init__(self) -> None:
+        self.scales: list[float] = []
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for name, param in pl_module.named_parameters():
+            if trainer.global_step == OVERFLOW_STEP and name.endswith(OVERFLOW_PARAMETER) and param.grad is not None:
+                param.grad[0] = float("inf")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        # the plugin's scaler as it is now: a mesh strategy swaps in an overflow-agreeing one at set-up
+        self.scales.append(float(trainer.precision_plugin.scaler.get_scale()))  # type: ignore[attr-defined]
+
+
 def fp16_mixed(strategy: Any, devices: int, out: Path) -> dict[str, Any]:
-    """fp16 autocast with a GradScaler (Lightning allows it on CPU through the plugin)."""
+    """fp16 autocast with a GradScaler (Lightning allows it on CPU through the plugin), one overflow forced on the
+    first stage."""
     from lightning.pytorch.plugins import MixedPrecision
 
     pl.seed_everything(0, verbose=False)
     data = SyntheticTokensDataModule(vocab_size=16, seq_len=8, num_samples=200, batch_size=16, seed=0)
     recorder = RunSummary()
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    overflow = OverflowOnce()
     trainer = _trainer(
         strategy,
         devices,
-        [recorder],
+        [recorder, overflow],
         max_steps=8,
         logger=False,
         enable_checkpointing=False,
@@ -174,7 +196,7 @@ def fp16_mixed(strategy: Any, devices: int, out: Path) -> dict[str, Any]:
         model = GPT(**TINY_GPT)
     task = LanguageModelTask(model, optimizer=SGD)
     trainer.fit(task, datamodule=data)
-    return {"train_loss": recorder.history["train/loss"], "scale": float(plugin.scaler.get_scale())}
+    return {"train_loss": recorder.history["train/loss"], "scales": overflow.scales}
 
 
 def fallback_reported(strategy: Any, devices: int, out: Path) -> dict[str, Any]:
