@@ -204,10 +204,14 @@ def test_text_unicode_and_relative_path(tmp_path, monkeypatch):
 def test_text_shuffle_deterministic(tmp_path):
     path = str(write(tmp_path, "the quick brown fox jumps over the lazy dog. " * 40))
 
-    def batch(seed):
-        return first_batch(TextDataModule(path=path, seq_len=8, batch_size=4, seed=seed).train_dataloader())[0]
+    def batch(seed, shuffle=True):
+        data = TextDataModule(path=path, seq_len=8, batch_size=4, seed=seed, shuffle=shuffle)
+        return first_batch(data.train_dataloader())[0]
 
-    assert torch.equal(batch(3), batch(3))
+    assert torch.equal(batch(3), batch(3))  # the same seed repeats the order
+    assert not torch.equal(batch(3), batch(4))  # and it does shuffle: another seed, another order
+    assert not torch.equal(batch(3), batch(3, shuffle=False))
+    assert torch.equal(batch(3, shuffle=False), batch(4, shuffle=False))
 
 
 def test_text_errors(tmp_path):

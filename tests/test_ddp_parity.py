@@ -16,7 +16,6 @@ from conftest import run_cli
 STEPS = 20
 COMMON = [
     "seed=7",
-    "data.shuffle=false",
     "trainer.accelerator=cpu",
     "trainer.max_epochs=1",
     f"trainer.limit_train_batches={STEPS}",
