@@ -87,3 +87,14 @@ def run_workers(worker: str, nprocs: int, payload: Any, out: Path, timeout: floa
         tail = (out / f"rank{first}.log").read_text()[-4000:]
         raise AssertionError(f"ranks {failed} failed; rank {first} log tail:\n{tail}")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
+
+
+def replica_states(results: list[dict], replicas: int) -> list[dict[str, torch.Tensor]]:
+    """Each data-parallel replica's whole state, the union of its ranks' `state` dicts. "dp" is the outermost mesh
+    dimension, so replica r is ranks r * size .. (r + 1) * size - 1. Merging all ranks into one dict instead would
+    let the last replica's values overwrite the others': a replica that drifted would go unseen."""
+    size = len(results) // replicas
+    return [
+        {name: value for result in results[r * size : (r + 1) * size] for name, value in result["state"].items()}
+        for r in range(replicas)
+    ]

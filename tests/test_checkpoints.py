@@ -60,8 +60,10 @@ def test_resume_along_2x2x2_one_process_1x4x1_1x1x2_2x2x2(tmp_path: Path) -> Non
             _, fresh, _, _ = build(1, steps, "auto")
             load_module(fresh, checkpoint)
             whole = full_state(fresh.model)
-            for name, value in merged(results).items():
-                torch.testing.assert_close(whole[name], value, rtol=0, atol=0, msg=name)
+            assert merged(results).keys() == whole.keys()
+            for result in results:  # every replica of every stage, not only the last replica's ranks
+                for name, value in result["state"].items():
+                    torch.testing.assert_close(whole[name], value, rtol=0, atol=0, msg=name)
         resume_from = str(checkpoint)
 
     assert merged(results).keys() == straight.keys()

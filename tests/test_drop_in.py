@@ -11,7 +11,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from distributed import run_workers
+from distributed import replica_states, run_workers
 
 sys.path.insert(0, str(Path(__file__).parent))
 from user_modules import Classifier, build, fit, loader, sequential_mlp  # noqa: E402
@@ -34,10 +34,10 @@ def assert_matches(results: list[dict], ref: dict, replicas: int = 1) -> None:
         assert len(result["losses"]) == STEPS
     losses = torch.tensor([result["losses"] for result in results]).reshape(replicas, -1, STEPS).mean(0)
     assert (losses - torch.tensor(ref["losses"])).abs().max() < 1e-5, (losses, ref["losses"])
-    merged = {name: value for result in results for name, value in result["state"].items()}
-    assert merged.keys() == ref["state"].keys()
-    for name, value in ref["state"].items():
-        torch.testing.assert_close(merged[name], value, rtol=0, atol=1e-5, msg=name)
+    for merged in replica_states(results, replicas):  # every replica, not only the last one's ranks
+        assert merged.keys() == ref["state"].keys()
+        for name, value in ref["state"].items():
+            torch.testing.assert_close(merged[name], value, rtol=0, atol=1e-5, msg=name)
 
 
 def run(name: str, net: str, *, step: str = "criterion", devices: int = 2, **kwargs: object) -> dict:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from distributed import WORKERS, run_workers
+from distributed import WORKERS, replica_states, run_workers
 
 sys.path.insert(0, str(WORKERS))
 from common import fit_model, local_state  # noqa: E402
@@ -37,9 +37,7 @@ def assert_matches(
     results = [rank[index] for rank in per_rank]
     for result in results:
         assert max(abs(a - b) for a, b in zip(result["losses"], ref_losses, strict=True)) < 1e-5, result["losses"]
-    size = len(results) // dp
-    for replica in range(dp):  # every replica holds the whole model over its stages
-        merged = {n: v for r in results[replica * size : (replica + 1) * size] for n, v in r["state"].items()}
+    for merged in replica_states(results, dp):  # every replica holds the whole model over its stages
         assert merged.keys() == ref_state.keys()
         for name, value in ref_state.items():
             torch.testing.assert_close(merged[name], value, rtol=0, atol=1e-5, msg=name)

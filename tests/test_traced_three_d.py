@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import needs_torch_2_13
-from distributed import run_workers
+from distributed import replica_states, run_workers
 
 sys.path.insert(0, str(Path(__file__).parent))
 from user_modules import CausalLM, build, fit, loader, tiny_gpt2, token_loader  # noqa: E402
@@ -50,9 +50,11 @@ def max_gaps(results: list[dict], ref: dict, replicas: int = 1) -> tuple[float, 
         assert "error" not in result, result["error"]
     losses = torch.tensor([result["losses"] for result in results]).reshape(replicas, -1, STEPS).mean(0)
     loss_gap = float((losses - torch.tensor(ref["losses"])).abs().max())
-    merged = {name: value for result in results for name, value in result["state"].items()}
-    assert merged.keys() == ref["state"].keys()
-    weight_gap = max(float((merged[name] - value).abs().max()) for name, value in ref["state"].items())
+    weight_gap = 0.0
+    for merged in replica_states(results, replicas):  # every replica, not only the last one's ranks
+        assert merged.keys() == ref["state"].keys()
+        gaps = [float((merged[name] - value).abs().max()) for name, value in ref["state"].items()]
+        weight_gap = max(weight_gap, *gaps)
     return loss_gap, weight_gap
 
 
