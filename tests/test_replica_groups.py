@@ -1,0 +1,183 @@
+"""Fault-tolerant replica groups over torchft (`strategy=ft_ddp`, `ft_diloco`): three groups of one process each and a
+lighthouse started by the README's command. One group SIGKILLs itself mid-step; the other two keep training while it
+is gone; the test restarts it (as torchrun or SLURM would) and it rejoins with the others' weights, received live.
+
+Each process logs every step as it ends (tests/workers/replica_group.py), so the test reads when each step happened,
+in which quorum, with which weights. Skipped when torchft is not installed (the `ft` and `dev` extras install it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from distributed import free_port, start_worker
+
+pytest.importorskip("torchft", reason="torchft is not installed: pip install 'lightning_parallel[ft]'")
+
+GROUPS, BATCH, STEPS = 3, 4, 24
+KILLED = 2
+
+
+@pytest.fixture(scope="module")
+def lighthouse() -> Iterator[str]:
+    """torchft's lighthouse, started the way the README says; quick death detection for a short test."""
+    # pip puts it beside this interpreter (a venv's bin/, which need not be on PATH)
+    command = shutil.which("torchft_lighthouse", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    if command is None:
+        pytest.skip("torchft_lighthouse is not installed (it comes with torchft)")
+    port = free_port()
+    args = ["--bind", f"[::]:{port}", "--min_replicas", "2", "--join_timeout_ms", "3000"]
+    args += ["--heartbeat_timeout_ms", "1500", "--quorum_tick_ms", "50"]
+    server = subprocess.Popen([command, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                server.kill()
+                pytest.fail("torchft_lighthouse did not start")
+            time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.kill()
+    server.wait()
+
+
+def launch(out: Path, config: dict[str, Any]) -> Any:
+    """One replica group: a process with a world of its own (its own store port), as `python train.py` gives it."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "payload.json").write_text(json.dumps(config))
+    world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "1", "RANK": "0"}
+    return start_worker("replica_group", out, {**world, "LOCAL_RANK": "0", "NODE_RANK": "0"})
+
+
+def steps(out: Path) -> list[dict[str, Any]]:
+    path = out / "steps.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(condition: Any, what: str, procs: list[Any], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        failed = [proc for proc in procs if proc.exitcode not in (None, 0)]
+        assert not failed and time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.05)
+
+
+def run_with_a_kill(tmp_path: Path, lighthouse: str, sync: str, *, kill_at: int, hold_at: int, **extra: Any) -> dict:
+    """Groups 0 and 1 train throughout; group 2 kills itself in step `kill_at`. The survivors hold after step
+    `hold_at` until group 2's restart has joined the lighthouse (so the test knows the restart comes mid-run)."""
+    restarted = tmp_path / "restarted"
+    base = {"steps": STEPS, "batch": BATCH, "lighthouse": lighthouse, "replica_groups": GROUPS, "sync": sync, **extra}
+    procs = {}
+    for group in range(GROUPS):
+        config = {**base, "replica_group": group, "start_together": [str(tmp_path), GROUPS]}
+        config.update({"kill_at": kill_at} if group == KILLED else {"hold_at": [hold_at, str(restarted)]})
+        procs[group] = launch(tmp_path / f"group{group}", config)
+    reference = launch(tmp_path / "reference", {"reference": True, "steps": STEPS, "batch": BATCH * GROUPS})
+    try:
+        procs[KILLED].join(120)
+        assert procs[KILLED].exitcode == -signal.SIGKILL, (tmp_path / f"group{KILLED}" / "log.txt").read_text()[-3000:]
+        killed_at = time.time()
+        survivors = [procs[g] for g in range(GROUPS) if g != KILLED]
+        reached = lambda: all(steps(tmp_path / f"group{g}")[-1:] and steps(tmp_path / f"group{g}")[-1]["step"] >= hold_at for g in range(GROUPS) if g != KILLED)  # noqa: E731
+        wait_for(reached, f"the survivors' step {hold_at}", survivors)
+        restarted_at = time.time()
+        again = launch(tmp_path / "restarted_group", {**base, "replica_group": KILLED, "announce": str(restarted)})
+        for proc in [*survivors, again, reference]:
+            proc.join(180)
+    finally:
+        for proc in [*procs.values(), reference, *([again] if "again" in locals() else [])]:
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+    for name, proc in [("group0", procs[0]), ("group1", procs[1]), ("restarted_group", again), ("reference", reference)]:
+        assert proc.exitcode == 0, f"{name} failed:\n" + (tmp_path / name / "log.txt").read_text()[-4000:]
+    runs = {name: steps(tmp_path / name) for name in ["group0", "group1", f"group{KILLED}", "restarted_group"]}
+    results = {name: torch.load(tmp_path / name / "result.pt") for name in ["group0", "group1", "restarted_group"]}
+    return {
+        "runs": runs,
+        "reference": steps(tmp_path / "reference"),
+        "results": results,
+        "killed_at": killed_at,
+        "restarted_at": restarted_at,
+    }
+
+
+def assert_steps_counted_once(run: list[dict[str, Any]], first: int) -> None:
+    """Within one process the step count rises by one per committed step; a step the groups did not commit repeats
+    the count and is counted in `not_committed` (never silent); a heal jumps to the sender's count."""
+    assert run[0]["step"] == first
+    for before, after in zip(run, run[1:]):
+        if after["heals"] > before["heals"]:
+            assert after["step"] > before["step"]
+        elif after["not_committed"] > before["not_committed"]:
+            assert after["step"] == before["step"]
+        else:
+            assert after["step"] == before["step"] + 1, (before, after)
+
+
+def assert_groups_agree(runs: dict[str, list[dict[str, Any]]], at: Any) -> dict[int, float]:
+    """At every step `at` selects, every process that logged it holds the same weights (their checksums)."""
+    sums: dict[int, set[float]] = defaultdict(set)
+    for run in runs.values():
+        for record in run:
+            if at(record):
+                sums[record["step"]].add(record["sum"])
+    assert all(len(values) == 1 for values in sums.values()), {s: v for s, v in sums.items() if len(v) > 1}
+    return {step: values.pop() for step, values in sums.items()}
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory: pytest.TempPathFactory, lighthouse: str) -> dict:
+    return run_with_a_kill(tmp_path_factory.mktemp("ft_ddp"), lighthouse, "ddp", kill_at=5, hold_at=12)
+
+
+@pytest.mark.slow
+def test_ddp_groups_train_on_while_one_is_dead_and_it_rejoins_with_the_current_weights(ddp_run: dict) -> None:
+    runs, killed_at, restarted_at = ddp_run["runs"], ddp_run["killed_at"], ddp_run["restarted_at"]
+    # the killed group's first life: steps 1..4, then it died inside step 5
+    assert [r["step"] for r in runs[f"group{KILLED}"]] == [1, 2, 3, 4]
+    for survivor in ("group0", "group1"):
+        run = runs[survivor]
+        assert_steps_counted_once(run, first=1)
+        assert run[-1]["step"] == STEPS
+        alone = [r for r in run if killed_at < r["t"] < restarted_at and r["step"] >= 5]  # steps after the kill
+        assert len(alone) >= 5 and all(r["groups"] == 2 for r in alone)
+        assert run[-1]["not_committed"] >= 1  # the step group 2 died in: refused, counted, nothing applied
+    rejoined = runs["restarted_group"]
+    assert rejoined[0]["heals"] == 1 and rejoined[0]["step"] > 12 and rejoined[0]["groups"] == GROUPS
+    assert_steps_counted_once(rejoined, first=rejoined[0]["step"])
+    assert rejoined[-1]["step"] == STEPS
+    # every process holds the same weights after every step, the rejoined group from its first step on
+    assert_groups_agree(runs, at=lambda record: True)
+    final = [result["state"] for result in ddp_run["results"].values()]
+    for state in final[1:]:
+        torch.testing.assert_close(state, final[0], rtol=0, atol=0)
+    assert all(result["describe"]["steps"]["applied"] == STEPS for result in ddp_run["results"].values())
+
+
+@pytest.mark.slow
+def test_ddp_groups_equal_one_process_while_all_take_part(ddp_run: dict) -> None:
+    """Before the kill all three groups average their gradients: one process with the three batches together."""
+    reference = {r["step"]: r for r in ddp_run["reference"]}
+    together = [ddp_run["runs"][name][:4] for name in ("group0", "group1", f"group{KILLED}")]
+    for records in zip(*together, strict=True):
+        step = records[0]["step"]
+        assert [(r["step"], r["groups"], r["not_committed"]) for r in records] == [(step, GROUPS, 0)] * GROUPS
+        assert abs(sum(r["loss"] for r in records) / GROUPS - reference[step]["loss"]) < 1e-5
+        assert abs(records[0]["sum"] - reference[step]["sum"]) < 1e-5
