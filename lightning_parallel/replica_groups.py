@@ -26,10 +26,10 @@ INSTALL_HINT = "pip install 'lightning_parallel[ft]' (torchft>=0.2)"
 LIGHTHOUSE_HINT = "start one with `torchft_lighthouse --min_replicas 1` and pass lighthouse=http://HOST:29510"
 
 
-def require_torchft() -> ModuleType:
-    """torchft, or one line saying how to install it."""
+def require_torchft(module: str = "torchft") -> ModuleType:
+    """torchft (or one of its modules, "torchft.local_sgd"), or one line saying how to install it."""
     try:
-        return importlib.import_module("torchft")
+        return importlib.import_module(module)
     except ImportError as error:
         raise ImportError(
             f"fault-tolerant replica groups need torchft, which does not import here ({error}). HINT: {INSTALL_HINT}"

@@ -181,3 +181,36 @@ def test_ddp_groups_equal_one_process_while_all_take_part(ddp_run: dict) -> None
         assert [(r["step"], r["groups"], r["not_committed"]) for r in records] == [(step, GROUPS, 0)] * GROUPS
         assert abs(sum(r["loss"] for r in records) / GROUPS - reference[step]["loss"]) < 1e-5
         assert abs(records[0]["sum"] - reference[step]["sum"]) < 1e-5
+
+
+PERIOD = 4
+
+
+@pytest.fixture(scope="module")
+def diloco_run(tmp_path_factory: pytest.TempPathFactory, lighthouse: str) -> dict:
+    return run_with_a_kill(tmp_path_factory.mktemp("ft_diloco"), lighthouse, "diloco", kill_at=6, hold_at=12, period=PERIOD)
+
+
+@pytest.mark.slow
+def test_diloco_groups_sync_on_while_one_is_dead_and_it_rejoins_at_a_sync(diloco_run: dict) -> None:
+    """torchft's DiLoCo: a quorum at every `period`-th step only. The killed group dies between syncs; the
+    survivors' next syncs go on without it; restarted, it trains alone up to its first sync and receives the others'
+    state there (weights, inner and outer optimizer, synced copy, step count)."""
+    runs, killed_at, restarted_at = diloco_run["runs"], diloco_run["killed_at"], diloco_run["restarted_at"]
+    assert [r["step"] for r in runs[f"group{KILLED}"]] == [1, 2, 3, 4, 5]
+    for survivor in ("group0", "group1"):
+        run = runs[survivor]
+        assert_steps_counted_once(run, first=1)
+        assert run[-1]["step"] == STEPS and run[-1]["not_committed"] == 0 and run[-1]["discarded"] == 0
+        syncs_alone = [r for r in run if killed_at < r["t"] < restarted_at and r["step"] % PERIOD == 0]
+        assert [r["step"] for r in syncs_alone] == [8, 12] and all(r["groups"] == 2 for r in syncs_alone)
+    rejoined = runs["restarted_group"]
+    assert_steps_counted_once(rejoined, first=1)
+    healed = next(r for r in rejoined if r["heals"] == 1)
+    assert healed["step"] > 12 and healed["step"] % PERIOD == 0 and healed["groups"] == GROUPS
+    assert rejoined[-1]["step"] == STEPS
+    # after every sync every process holds the same weights (between syncs each group has its own)
+    assert_groups_agree(runs, at=lambda record: record["step"] % PERIOD == 0)
+    final = [result["state"] for result in diloco_run["results"].values()]
+    for state in final[1:]:
+        torch.testing.assert_close(state, final[0], rtol=0, atol=0)

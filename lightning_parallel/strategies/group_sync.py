@@ -97,7 +97,7 @@ class Periodic:
         period: int,
         outer_optimizer: Callable[[list[Tensor]], Optimizer] | None,
     ) -> None:
-        local_sgd = require_torchft().local_sgd
+        local_sgd = require_torchft("torchft.local_sgd")
         self.manager, self.kind, self.period = manager, kind, period
         if kind == "local_sgd":
             self.torchft_sync: Any = local_sgd.LocalSGD(manager, module, optimizer, sync_every=period)
