@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import logging
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -28,6 +29,12 @@ LIGHTHOUSE_HINT = "start one with `torchft_lighthouse --min_replicas 1` and pass
 
 def require_torchft(module: str = "torchft") -> ModuleType:
     """torchft (or one of its modules, "torchft.local_sgd"), or one line saying how to install it."""
+    # torchft logs a few INFO lines per step (the quorum, the vote) from Rust, whose logger reads RUST_LOG once at
+    # import, and from Python; keep them out of the run's output unless asked for (RUST_LOG=info, and a level set
+    # on the "torchft" logger).
+    os.environ.setdefault("RUST_LOG", "warn")
+    if logging.getLogger("torchft").level == logging.NOTSET:
+        logging.getLogger("torchft").setLevel(logging.WARNING)
     try:
         return importlib.import_module(module)
     except ImportError as error:
@@ -40,7 +47,9 @@ def lighthouse_address(given: str | None) -> str:
     """The lighthouse to ask for quorums: `given`, else $TORCHFT_LIGHTHOUSE, else one line saying how to start one."""
     address = given or os.environ.get(LIGHTHOUSE_ENV)
     if not address:
-        raise ValueError(f"no torchft lighthouse: lighthouse=None and ${LIGHTHOUSE_ENV} is unset. HINT: {LIGHTHOUSE_HINT}")
+        raise ValueError(
+            f"no torchft lighthouse: lighthouse=None and ${LIGHTHOUSE_ENV} is unset. HINT: {LIGHTHOUSE_HINT}"
+        )
     return address
 
 
@@ -103,8 +112,9 @@ def average_gradients_(manager: Any, parameters: Iterable[Tensor]) -> None:
     """Replace each gradient by its mean over the groups of the current quorum: one float32 all-reduce through the
     manager per device. A missing gradient is sent as zeros, so every group sends the same buffer (and receives one
     afterwards). After a failed collective the values are garbage, and the manager's commit vote says no."""
-    parameters = list(parameters)
+    gradients = []
     for p in parameters:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    reduce_as_one_([p.grad for p in parameters], lambda flat: manager.allreduce(flat).wait())
+        gradients.append(p.grad)
+    reduce_as_one_(gradients, lambda flat: manager.allreduce(flat).wait())

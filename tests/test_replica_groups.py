@@ -78,55 +78,63 @@ def wait_for(condition: Any, what: str, procs: list[Any], timeout: float = 120) 
         time.sleep(0.05)
 
 
+def last_step(out: Path) -> int:
+    run = steps(out)
+    return run[-1]["step"] if run else 0
+
+
 def run_with_a_kill(tmp_path: Path, lighthouse: str, sync: str, *, kill_at: int, hold_at: int, **extra: Any) -> dict:
     """Groups 0 and 1 train throughout; group 2 kills itself in step `kill_at`. The survivors hold after step
     `hold_at` until group 2's restart has joined the lighthouse (so the test knows the restart comes mid-run)."""
     restarted = tmp_path / "restarted"
     base = {"steps": STEPS, "batch": BATCH, "lighthouse": lighthouse, "replica_groups": GROUPS, "sync": sync, **extra}
     procs = {}
+    if sync == "ddp":  # one process with the three groups' batches together
+        procs["reference"] = launch(
+            tmp_path / "reference", {"reference": True, "steps": STEPS, "batch": BATCH * GROUPS}
+        )
     for group in range(GROUPS):
         config = {**base, "replica_group": group, "start_together": [str(tmp_path), GROUPS]}
         config.update({"kill_at": kill_at} if group == KILLED else {"hold_at": [hold_at, str(restarted)]})
-        procs[group] = launch(tmp_path / f"group{group}", config)
-    reference = launch(tmp_path / "reference", {"reference": True, "steps": STEPS, "batch": BATCH * GROUPS})
+        procs[f"group{group}"] = launch(tmp_path / f"group{group}", config)
+    survivors = ["group0", "group1"]
     try:
-        procs[KILLED].join(120)
-        assert procs[KILLED].exitcode == -signal.SIGKILL, (tmp_path / f"group{KILLED}" / "log.txt").read_text()[-3000:]
+        procs[f"group{KILLED}"].join(120)
+        assert procs[f"group{KILLED}"].exitcode == -signal.SIGKILL, f"group{KILLED} was not killed"
         killed_at = time.time()
-        survivors = [procs[g] for g in range(GROUPS) if g != KILLED]
-        reached = lambda: all(steps(tmp_path / f"group{g}")[-1:] and steps(tmp_path / f"group{g}")[-1]["step"] >= hold_at for g in range(GROUPS) if g != KILLED)  # noqa: E731
-        wait_for(reached, f"the survivors' step {hold_at}", survivors)
+        reached = lambda: all(last_step(tmp_path / name) >= hold_at for name in survivors)  # noqa: E731
+        wait_for(reached, f"the survivors' step {hold_at}", [procs[name] for name in survivors])
         restarted_at = time.time()
-        again = launch(tmp_path / "restarted_group", {**base, "replica_group": KILLED, "announce": str(restarted)})
-        for proc in [*survivors, again, reference]:
+        config = {**base, "replica_group": KILLED, "announce": str(restarted)}
+        procs["restarted_group"] = launch(tmp_path / "restarted_group", config)
+        for proc in procs.values():
             proc.join(180)
     finally:
-        for proc in [*procs.values(), reference, *([again] if "again" in locals() else [])]:
+        for proc in procs.values():
             if proc.exitcode is None:
                 proc.kill()
                 proc.join()
-    for name, proc in [("group0", procs[0]), ("group1", procs[1]), ("restarted_group", again), ("reference", reference)]:
-        assert proc.exitcode == 0, f"{name} failed:\n" + (tmp_path / name / "log.txt").read_text()[-4000:]
-    runs = {name: steps(tmp_path / name) for name in ["group0", "group1", f"group{KILLED}", "restarted_group"]}
-    results = {name: torch.load(tmp_path / name / "result.pt") for name in ["group0", "group1", "restarted_group"]}
+    for name in [name for name in procs if name != f"group{KILLED}"]:
+        assert procs[name].exitcode == 0, f"{name} failed:\n" + (tmp_path / name / "log.txt").read_text()[-4000:]
     return {
-        "runs": runs,
+        "runs": {name: steps(tmp_path / name) for name in [*survivors, f"group{KILLED}", "restarted_group"]},
         "reference": steps(tmp_path / "reference"),
-        "results": results,
+        "results": {name: torch.load(tmp_path / name / "result.pt") for name in [*survivors, "restarted_group"]},
         "killed_at": killed_at,
         "restarted_at": restarted_at,
     }
 
 
-def assert_steps_counted_once(run: list[dict[str, Any]], first: int) -> None:
-    """Within one process the step count rises by one per committed step; a step the groups did not commit repeats
-    the count and is counted in `not_committed` (never silent); a heal jumps to the sender's count."""
+def assert_steps_counted_once(run: list[dict[str, Any]], first: int, refused_step_stays: bool = True) -> None:
+    """Within one process the step count rises by one per step in effect; a step the groups did not commit repeats
+    the count (a local SGD sync that did not commit leaves its inner step in effect) and is counted in
+    `not_committed`, never silently; a heal jumps to the sender's count."""
     assert run[0]["step"] == first
-    for before, after in zip(run, run[1:]):
+    for before, after in zip(run, run[1:], strict=False):
         if after["heals"] > before["heals"]:
             assert after["step"] > before["step"]
         elif after["not_committed"] > before["not_committed"]:
-            assert after["step"] == before["step"]
+            assert after["step"] == before["step"] + (0 if refused_step_stays else 1), (before, after)
         else:
             assert after["step"] == before["step"] + 1, (before, after)
 
@@ -169,6 +177,8 @@ def test_ddp_groups_train_on_while_one_is_dead_and_it_rejoins_with_the_current_w
     for state in final[1:]:
         torch.testing.assert_close(state, final[0], rtol=0, atol=0)
     assert all(result["describe"]["steps"]["applied"] == STEPS for result in ddp_run["results"].values())
+    # each group evaluates the whole validation set: equal weights give equal metrics
+    assert len({result["val_loss"] for result in ddp_run["results"].values()}) == 1
 
 
 @pytest.mark.slow
@@ -188,7 +198,9 @@ PERIOD = 4
 
 @pytest.fixture(scope="module")
 def diloco_run(tmp_path_factory: pytest.TempPathFactory, lighthouse: str) -> dict:
-    return run_with_a_kill(tmp_path_factory.mktemp("ft_diloco"), lighthouse, "diloco", kill_at=6, hold_at=12, period=PERIOD)
+    return run_with_a_kill(
+        tmp_path_factory.mktemp("ft_diloco"), lighthouse, "diloco", kill_at=6, hold_at=12, period=PERIOD
+    )
 
 
 @pytest.mark.slow
@@ -212,5 +224,46 @@ def test_diloco_groups_sync_on_while_one_is_dead_and_it_rejoins_at_a_sync(diloco
     # after every sync every process holds the same weights (between syncs each group has its own)
     assert_groups_agree(runs, at=lambda record: record["step"] % PERIOD == 0)
     final = [result["state"] for result in diloco_run["results"].values()]
+    for state in final[1:]:
+        torch.testing.assert_close(state, final[0], rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def local_sgd_run(tmp_path_factory: pytest.TempPathFactory, lighthouse: str) -> dict:
+    return run_with_a_kill(
+        tmp_path_factory.mktemp("ft_local_sgd"),
+        lighthouse,
+        "local_sgd",
+        kill_at=8,
+        hold_at=12,
+        period=PERIOD,
+        kill_in="exchange",
+    )
+
+
+@pytest.mark.slow
+def test_local_sgd_groups_survive_a_group_lost_inside_a_sync(local_sgd_run: dict) -> None:
+    """torchft's LocalSGD: the killed group dies inside the sync of step 8, which the survivors then cannot finish: it
+    is refused and counted (their parameters stay unaveraged, the inner step stays in effect) and the next one,
+    without the dead group, averages them again. Restarted, the group heals at a later sync."""
+    runs, killed_at, restarted_at = local_sgd_run["runs"], local_sgd_run["killed_at"], local_sgd_run["restarted_at"]
+    assert [r["step"] for r in runs[f"group{KILLED}"]] == list(range(1, 8))
+    for survivor in ("group0", "group1"):
+        run = runs[survivor]
+        assert_steps_counted_once(run, first=1, refused_step_stays=False)
+        assert run[-1]["step"] == STEPS and run[-1]["not_committed"] == 1
+        assert next(r for r in run if r["step"] == 8)["not_committed"] == 1
+        syncs_alone = [r for r in run if killed_at < r["t"] < restarted_at and r["step"] in (12,)]
+        assert syncs_alone and all(r["groups"] == 2 for r in syncs_alone)
+    rejoined = runs["restarted_group"]
+    assert_steps_counted_once(rejoined, first=1)
+    healed = next(r for r in rejoined if r["heals"] == 1)
+    assert healed["step"] > 12 and healed["step"] % PERIOD == 0 and healed["groups"] == GROUPS
+    # after every committed sync every process holds the same weights; after the refused one (step 8) the survivors
+    # differ (each kept its own)
+    assert_groups_agree(runs, at=lambda record: record["step"] % PERIOD == 0 and record["step"] != 8)
+    step8 = {next(r["sum"] for r in runs[name] if r["step"] == 8) for name in ("group0", "group1")}
+    assert len(step8) == 2
+    final = [result["state"] for result in local_sgd_run["results"].values()]
     for state in final[1:]:
         torch.testing.assert_close(state, final[0], rtol=0, atol=0)

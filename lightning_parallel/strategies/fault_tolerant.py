@@ -88,8 +88,12 @@ class FaultTolerantStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Shard (group, rank in group) of replica_groups x world_size: groups see different data, and a restarted
-        # group reads its old shard (torchft's DistributedSampler does the same).
+        module = self.lightning_module
+        if module is None or not module.trainer.training:
+            # Evaluation: groups never meet to reduce metrics, so each evaluates the whole set over its own ranks.
+            return super().distributed_sampler_kwargs
+        # Training: shard (group, rank in group) of replica_groups x world_size; groups see different data, and a
+        # restarted group reads its old shard (torchft's DistributedSampler does the same).
         return {
             "num_replicas": self.replica_groups * self.world_size,
             "rank": self.replica_group * self.world_size + self.global_rank,
@@ -206,7 +210,7 @@ class FaultTolerantStrategy(DDPStrategy):
 
 def count_steps(trainer: pl.Trainer, applied: int) -> None:
     """Make `trainer.global_step` read `applied` once the optimizer step now running completes (Lightning adds one
-    right after `optimizer_step` returns), so max_steps, checkpoints every n steps and the logs count steps in effect."""
+    right after `optimizer_step` returns): max_steps, checkpoints every n steps and the logs count steps in effect."""
     progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
     progress.ready, progress.completed = applied, applied - 1
 

@@ -4,9 +4,10 @@ Each step is appended to `steps.jsonl` as it ends (wall time, the group's step l
 parameter checksum, the loss), so the test watches the run while it lives. At the end `result.pt` holds the weights.
 
 Payload (`payload.json`): {"steps", "batch" (per group), "lighthouse", "replica_group", "replica_groups", "sync",
-"period"?, "kill_at"? (this process SIGKILLs itself after the backward of that step, before the exchange with the
-other groups), "start_together"? [directory, groups] (wait for every group's Manager before the first step),
-"hold_at"? [step, file] (after that step, wait until the file exists), "announce"? (file written at train start)}
+"period"?, "kill_at"? (this process SIGKILLs itself in that step: after its backward, before the exchange with
+the other groups; with "kill_in": "exchange", inside the exchange, once its quorum has formed),
+"start_together"? [directory, groups] (wait for every group's Manager before the first step), "hold_at"? [step, file]
+(after that step, wait until the file exists), "announce"? (a file written at train start)}
 or {"reference": true, "steps", "batch"}.
 """
 
@@ -53,11 +54,22 @@ class StepLog(pl.Callback):
             directory, groups = Path(self.config["start_together"][0]), self.config["start_together"][1]
             (directory / f"ready{self.config['replica_group']}").write_text("")
             wait_for(lambda: len(list(directory.glob("ready*"))) == groups, "the other groups")
+        if self.config.get("kill_in") == "exchange":  # die inside the exchange, once its quorum has formed
+            strategy, allreduce = trainer.strategy, trainer.strategy.manager.allreduce
+
+            def dying_allreduce(*args: Any, **kwargs: Any) -> Any:
+                self.maybe_die(strategy)
+                return allreduce(*args, **kwargs)
+
+            strategy.manager.allreduce = dying_allreduce
+
+    def maybe_die(self, strategy: Any) -> None:
+        if strategy.ledger.applied + 1 == self.config.get("kill_at"):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        ledger = getattr(trainer.strategy, "ledger", None)
-        if ledger is not None and ledger.applied + 1 == self.config.get("kill_at"):
-            os.kill(os.getpid(), signal.SIGKILL)
+        if isinstance(trainer.strategy, FaultTolerantStrategy) and self.config.get("kill_in") != "exchange":
+            self.maybe_die(trainer.strategy)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
         strategy = trainer.strategy
@@ -92,12 +104,12 @@ def fit(config: dict[str, Any], out: Path) -> dict[str, Any]:
         devices=1,
         strategy=strategy,
         max_steps=config["steps"],
-        limit_val_batches=0,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        check_val_every_n_epoch=1000,  # no validation inside fit; `validate` below
         callbacks=[StepLog(config, out)],
         default_root_dir=str(out),
     )
@@ -106,7 +118,9 @@ def fit(config: dict[str, Any], out: Path) -> dict[str, Any]:
     task = LanguageModelTask(network, optimizer=partial(torch.optim.SGD, lr=0.5, momentum=0.9))
     trainer.fit(task, datamodule=data)
     describe = strategy.describe() if isinstance(strategy, FaultTolerantStrategy) else {}
-    return {"state": local_state(task), "describe": describe}
+    # each group evaluates the whole validation set (groups do not meet to reduce metrics)
+    [metrics] = trainer.validate(task, datamodule=data, verbose=False)
+    return {"state": local_state(task), "describe": describe, "val_loss": metrics["val/loss"]}
 
 
 if __name__ == "__main__":
