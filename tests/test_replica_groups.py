@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -18,22 +19,76 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from distributed import free_port, start_worker
 
-pytest.importorskip("torchft", reason="torchft is not installed: pip install 'lightning_parallel[ft]'")
+from lightning_parallel.replica_groups import lighthouse_address, require_torchft
+from lightning_parallel.strategies.fault_tolerant import FaultTolerantStrategy, check_fit
 
 GROUPS, BATCH, STEPS = 3, 4, 24
 KILLED = 2
 
 
+BASE = {"replica_group": 0, "replica_groups": 2}
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"replica_group": 3, "replica_groups": 3}, "replica_group must be below replica_groups=3"),
+        ({**BASE, "min_replicas": 3}, "min_replicas must be at most replica_groups=2"),
+        ({**BASE, "sync": "gossip"}, "sync must be one of ddp, local_sgd, diloco"),
+        ({**BASE, "period": 4}, "period must be None with sync='ddp'"),
+        ({**BASE, "sync": "diloco"}, "period must be an integer >= 1"),
+        ({**BASE, "sync": "local_sgd", "period": 4, "outer_optimizer": partial(torch.optim.SGD, lr=0.7)}, "unless"),
+        ({**BASE, "replica_timeout": 0}, "replica_timeout must be a positive number of seconds"),
+    ],
+)
+def test_bad_arguments_are_one_line(arguments: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
+        FaultTolerantStrategy(**arguments)
+    assert "\n" not in str(error.value) and "HINT: " in str(error.value)
+
+
+def test_no_lighthouse_and_no_torchft_are_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ValueError, match=r"TORCHFT_LIGHTHOUSE is unset\. HINT: start one with `torchft_lighthouse"):
+        lighthouse_address(None)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://here:29510")
+    assert lighthouse_address(None) == "http://here:29510" and lighthouse_address("http://there:1") == "http://there:1"
+    monkeypatch.setenv("RUST_LOG", "warn")  # restored afterwards
+    monkeypatch.setitem(sys.modules, "torchft", None)  # what `import torchft` meets when it is not installed
+    with pytest.raises(ImportError, match=r"HINT: pip install 'lightning_parallel\[ft\]'"):
+        require_torchft()
+
+
+def test_a_fit_needs_max_steps_automatic_optimization_one_optimizer_and_no_grad_scaler() -> None:
+    module, plugin, one = SimpleNamespace(automatic_optimization=True), SimpleNamespace(scaler=None), [object()]
+    good = {"max_steps": 10, "lightning_module": module, "optimizers": one, "precision_plugin": plugin}
+    strategy = FaultTolerantStrategy(**BASE)
+    check_fit(strategy, SimpleNamespace(**good), per_step=True)  # type: ignore[arg-type]
+    fp16 = {"precision_plugin": SimpleNamespace(scaler=object()), "precision": "16-mixed"}
+    check_fit(strategy, SimpleNamespace(**{**good, **fp16}), per_step=False)  # type: ignore[arg-type]  # DiLoCo
+    for changed, message in [
+        ({"max_steps": -1}, "set trainer.max_steps=N"),
+        ({"lightning_module": SimpleNamespace(automatic_optimization=False)}, "manual optimization"),
+        ({"optimizers": [object(), object()]}, "return one optimizer"),
+        (fp16, "HINT: precision=bf16-mixed"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            check_fit(strategy, SimpleNamespace(**{**good, **changed}), per_step=True)  # type: ignore[arg-type]
+
+
 @pytest.fixture(scope="module")
 def lighthouse() -> Iterator[str]:
     """torchft's lighthouse, started the way the README says; quick death detection for a short test."""
+    pytest.importorskip("torchft", reason="torchft is not installed: pip install 'lightning_parallel[ft]'")
     # pip puts it beside this interpreter (a venv's bin/, which need not be on PATH)
     command = shutil.which("torchft_lighthouse", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     if command is None:

@@ -124,7 +124,7 @@ class FaultTolerantStrategy(DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        check_fit(self, trainer)
+        check_fit(self, trainer, per_step=self.sync == "ddp")
         spec = GroupSpec(
             replica_group=self.replica_group,
             min_replicas=self.min_replicas,
@@ -243,8 +243,8 @@ def check_seconds(owner: object, name: str, value: Any) -> None:
         reject(owner, name, value, "a positive number of seconds", f"{name}=60")
 
 
-def check_fit(owner: object, trainer: pl.Trainer) -> None:
-    """What a fault-tolerant fit needs of the Trainer and the module: one line each, in every process."""
+def check_fit(owner: object, trainer: pl.Trainer, *, per_step: bool) -> None:
+    """What a fault-tolerant fit needs of the Trainer and the module (`per_step`: sync="ddp"): one line each."""
     name = type(owner).__name__
     if trainer.max_steps < 0:
         raise ValueError(
@@ -261,4 +261,9 @@ def check_fit(owner: object, trainer: pl.Trainer) -> None:
         raise ValueError(
             f"{name}: configure_optimizers returned {len(trainer.optimizers)} optimizers; the groups agree on one. "
             "HINT: return one optimizer"
+        )
+    if per_step and getattr(trainer.precision_plugin, "scaler", None) is not None:
+        raise ValueError(
+            f"{name}: precision={trainer.precision!r} steps through a GradScaler, which fails on a step the groups "
+            "refuse (it leaves no gradient to check for infs). HINT: precision=bf16-mixed, or sync='diloco'"
         )

@@ -130,7 +130,7 @@ class Periodic:
             return None
         ledger.not_committed += 1
         if self.kind == "local_sgd":
-            return f"the sync after step {ledger.applied} was not committed; parameters stay unaveraged until the next"
+            return f"the sync after step {ledger.applied} was not committed; parameters stay unaveraged till the next"
         ledger.applied -= self.period
         ledger.discarded += self.period
         return (
