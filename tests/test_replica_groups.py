@@ -145,9 +145,8 @@ def run_with_a_kill(tmp_path: Path, lighthouse: str, sync: str, *, kill_at: int,
     base = {"steps": STEPS, "batch": BATCH, "lighthouse": lighthouse, "replica_groups": GROUPS, "sync": sync, **extra}
     procs = {}
     if sync == "ddp":  # one process with the three groups' batches together
-        procs["reference"] = launch(
-            tmp_path / "reference", {"reference": True, "steps": STEPS, "batch": BATCH * GROUPS}
-        )
+        reference = {"reference": True, "steps": STEPS, "batch": BATCH * GROUPS, "save_at": extra.get("save_at")}
+        procs["reference"] = launch(tmp_path / "reference", reference)
     for group in range(GROUPS):
         config = {**base, "replica_group": group, "start_together": [str(tmp_path), GROUPS]}
         config.update({"kill_at": kill_at} if group == KILLED else {"hold_at": [hold_at, str(restarted)]})
@@ -207,7 +206,8 @@ def assert_groups_agree(runs: dict[str, list[dict[str, Any]]], at: Any) -> dict[
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory: pytest.TempPathFactory, lighthouse: str) -> dict:
-    return run_with_a_kill(tmp_path_factory.mktemp("ft_ddp"), lighthouse, "ddp", kill_at=5, hold_at=12)
+    out = tmp_path_factory.mktemp("ft_ddp")
+    return {**run_with_a_kill(out, lighthouse, "ddp", kill_at=5, hold_at=12, save_at=4), "out": out}
 
 
 @pytest.mark.slow
@@ -246,6 +246,9 @@ def test_ddp_groups_equal_one_process_while_all_take_part(ddp_run: dict) -> None
         assert [(r["step"], r["groups"], r["not_committed"]) for r in records] == [(step, GROUPS, 0)] * GROUPS
         assert abs(sum(r["loss"] for r in records) / GROUPS - reference[step]["loss"]) < 1e-5
         assert abs(records[0]["sum"] - reference[step]["sum"]) < 1e-5
+    expected = torch.load(ddp_run["out"] / "reference" / "state4.pt")
+    for name in ("group0", "group1", f"group{KILLED}"):  # the weights after step 4, the last before the kill
+        torch.testing.assert_close(torch.load(ddp_run["out"] / name / "state4.pt"), expected, rtol=0, atol=1e-5)
 
 
 PERIOD = 4

@@ -7,8 +7,9 @@ Payload (`payload.json`): {"steps", "batch" (per group), "lighthouse", "replica_
 "period"?, "kill_at"? (this process SIGKILLs itself in that step: after its backward, before the exchange with
 the other groups; with "kill_in": "exchange", inside the exchange, once its quorum has formed),
 "start_together"? [directory, groups] (wait for every group's Manager before the first step), "hold_at"? [step, file]
-(after that step, wait until the file exists), "announce"? (a file written at train start)}
-or {"reference": true, "steps", "batch"}.
+(after that step, wait until the file exists), "announce"? (a file written at train start), "save_at"? (a step
+after which the weights go to `state<step>.pt`)}
+or {"reference": true, "steps", "batch", "save_at"?}.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class StepLog(pl.Callback):
     """One JSON line per training batch, written as it ends; and the test's kill, start and hold points."""
 
     def __init__(self, config: dict[str, Any], out: Path) -> None:
-        self.config, self.file = config, (out / "steps.jsonl").open("a", buffering=1)
+        self.config, self.out, self.file = config, out, (out / "steps.jsonl").open("a", buffering=1)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if "announce" in self.config:
@@ -78,6 +79,8 @@ class StepLog(pl.Callback):
         checksum = sum(p.detach().double().sum().item() for p in pl_module.parameters())
         record = {"t": time.time(), "step": trainer.global_step, "groups": groups, "sum": checksum, **ledger}
         self.file.write(json.dumps({**record, "loss": float(outputs["loss"])}) + "\n")
+        if trainer.global_step == self.config.get("save_at"):
+            torch.save(local_state(pl_module), self.out / f"state{trainer.global_step}.pt")  # type: ignore[arg-type]
         hold = self.config.get("hold_at")
         if hold is not None and trainer.global_step == hold[0]:
             wait_for(Path(hold[1]).exists, hold[1])
