@@ -8,6 +8,7 @@ in which quorum, with which weights. Skipped when torchft is not installed (the 
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -33,6 +34,22 @@ from lightning_parallel.strategies.fault_tolerant import FaultTolerantStrategy, 
 
 GROUPS, BATCH, STEPS = 3, 4, 24
 KILLED = 2
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_only_replica_groups_imports_torchft_and_only_when_asked() -> None:
+    """torchft is an optional extra: no module of the package imports it at import time; `replica_groups.py` does,
+    through `require_torchft`, when a fault-tolerant fit starts."""
+    offenders = []
+    for path in sorted((ROOT / "lightning_parallel").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(name.split(".")[0] == "torchft" for name in names):
+                offenders.append(str(path.relative_to(ROOT)))
+    assert offenders == []
 
 
 BASE = {"replica_group": 0, "replica_groups": 2}
@@ -95,7 +112,7 @@ def lighthouse() -> Iterator[str]:
         pytest.skip("torchft_lighthouse is not installed (it comes with torchft)")
     port = free_port()
     args = ["--bind", f"[::]:{port}", "--min_replicas", "2", "--join_timeout_ms", "3000"]
-    args += ["--heartbeat_timeout_ms", "1500", "--quorum_tick_ms", "50"]
+    args += ["--heartbeat_timeout_ms", "2000", "--quorum_tick_ms", "50"]
     server = subprocess.Popen([command, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while True:
