@@ -1,9 +1,11 @@
-"""Fault-tolerant replica groups over torchft (`strategy=ft_ddp`, `ft_diloco`): three groups of one process each and a
-lighthouse started by the README's command. One group SIGKILLs itself mid-step; the other two keep training while it
-is gone; the test restarts it (as torchrun or SLURM would) and it rejoins with the others' weights, received live.
+"""Fault-tolerant replica groups over torchft (`strategy=ft_ddp`, `ft_local_sgd`, `ft_diloco`): three groups of one
+process each and a lighthouse started by the README's command. One group SIGKILLs itself mid-run; the other two keep
+training while it is gone; the test restarts it (as torchrun or SLURM would) and it rejoins with the others' weights,
+received live. Plus the one-line refusals, which need no torchft.
 
 Each process logs every step as it ends (tests/workers/replica_group.py), so the test reads when each step happened,
-in which quorum, with which weights. Skipped when torchft is not installed (the `ft` and `dev` extras install it).
+in which quorum, with which weights. The runs are skipped when torchft is not installed (the `ft` and `dev` extras
+install it).
 """
 
 from __future__ import annotations
