@@ -19,6 +19,7 @@ _LAZY = {
     "LocalSGDStrategy": "lightning_parallel.strategies.local_sgd",
     "DiLoCoStrategy": "lightning_parallel.strategies.diloco",
     "AsyncSGDStrategy": "lightning_parallel.strategies.async_sgd",
+    "FaultTolerantStrategy": "lightning_parallel.strategies.fault_tolerant",
     "ParallelDims": "lightning_parallel.dims",
 }
 # registry name -> (class name, description)

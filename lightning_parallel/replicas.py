@@ -3,13 +3,13 @@ Torch only; the strategies decide which group (all processes, "dp", "tp") and wh
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["average_", "broadcast_module"]
+__all__ = ["average_", "broadcast_module", "reduce_as_one_"]
 
 
 @torch.no_grad()
@@ -19,13 +19,24 @@ def average_(tensors: Sequence[Tensor], group: dist.ProcessGroup | None = None) 
     size = dist.get_world_size(group)
     if size == 1:  # the mean of one replica is itself: no copy, no collective
         return
+
+    def mean_over_group(flat: Tensor) -> None:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)  # gloo has no ReduceOp.AVG
+        flat /= size
+
+    reduce_as_one_(tensors, mean_over_group)
+
+
+@torch.no_grad()
+def reduce_as_one_(tensors: Sequence[Tensor], reduce_: Callable[[Tensor], None]) -> None:
+    """Copy `tensors` into one float32 buffer per device, let `reduce_` change it in place (one collective per
+    device), and copy the result back into each tensor."""
     buckets: dict[torch.device, list[Tensor]] = {}
     for tensor in tensors:
         buckets.setdefault(tensor.device, []).append(tensor)
     for bucket in buckets.values():
         flat = torch.cat([t.reshape(-1).float() for t in bucket])  # (sum of numels,)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)  # gloo has no ReduceOp.AVG
-        flat /= size
+        reduce_(flat)
         for tensor, part in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
             tensor.copy_(part.view_as(tensor))
 

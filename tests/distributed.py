@@ -98,3 +98,13 @@ def replica_states(results: list[dict], replicas: int) -> list[dict[str, torch.T
         {name: value for result in results[r * size : (r + 1) * size] for name, value in result["state"].items()}
         for r in range(replicas)
     ]
+
+
+def start_worker(worker: str, out: Path, env: dict[str, str]) -> multiprocessing.Process:
+    """Start `tests/workers/<worker>.py <out>` alone, in a fork of the server, with `env` on top of this process's
+    environment (e.g. a world of its own); its output goes to `out/log.txt`. The caller waits for it, or kills it."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
+    proc = _FORKS.Process(target=_become, args=(str(WORKERS / f"{worker}.py"), str(out), env, str(out / "log.txt")))
+    proc.start()
+    return proc

@@ -1,0 +1,120 @@
+"""Fault-tolerant replica groups over torchft: one group's `Manager` (a quorum with the other groups through the
+lighthouse, a process group formed anew whenever the quorum changes, the live state a rejoining group receives) and
+the gradient average over the groups of the current quorum. Torch and torchft only; torchft is imported on first use,
+never at package import. When a step commits and what Lightning counts is `strategies/fault_tolerant.py`'s."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import logging
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_parallel.replicas import reduce_as_one_
+
+__all__ = ["GroupSpec", "LIGHTHOUSE_ENV", "average_gradients_", "join", "lighthouse_address", "require_torchft"]
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable for the lighthouse address
+INSTALL_HINT = "pip install 'lightning_parallel[ft]' (torchft>=0.2)"
+LIGHTHOUSE_HINT = "start one with `torchft_lighthouse --min_replicas 1` and pass lighthouse=http://HOST:29510"
+
+
+def require_torchft(module: str = "torchft") -> ModuleType:
+    """torchft (or one of its modules, "torchft.local_sgd"), or one line saying how to install it."""
+    # torchft logs a few INFO lines per step (the quorum, the vote) from Rust, whose logger reads RUST_LOG once at
+    # import, and from Python; keep them out of the run's output unless asked for (RUST_LOG=info, and a level set
+    # on the "torchft" logger).
+    os.environ.setdefault("RUST_LOG", "warn")
+    if logging.getLogger("torchft").level == logging.NOTSET:
+        logging.getLogger("torchft").setLevel(logging.WARNING)
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ImportError(
+            f"fault-tolerant replica groups need torchft, which does not import here ({error}). HINT: {INSTALL_HINT}"
+        ) from None
+
+
+def lighthouse_address(given: str | None) -> str:
+    """The lighthouse to ask for quorums: `given`, else $TORCHFT_LIGHTHOUSE, else one line saying how to start one."""
+    address = given or os.environ.get(LIGHTHOUSE_ENV)
+    if not address:
+        raise ValueError(
+            f"no torchft lighthouse: lighthouse=None and ${LIGHTHOUSE_ENV} is unset. HINT: {LIGHTHOUSE_HINT}"
+        )
+    return address
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What one replica group tells torchft.
+
+    Args:
+        replica_group: this group's number (0 .. groups - 1); a restarted group takes its old number.
+        min_replicas: a step commits only when at least this many groups took part in it.
+        lighthouse: the lighthouse's address, e.g. "http://host:29510".
+        timeout: one collective across groups, the commit vote or a state transfer gives up after this.
+        quorum_timeout: how long a group waits for a quorum (a joining DiLoCo group waits for the others' next sync).
+    """
+
+    replica_group: int
+    min_replicas: int
+    lighthouse: str
+    timeout: timedelta
+    quorum_timeout: timedelta
+
+
+def join(
+    spec: GroupSpec,
+    *,
+    rank: int,
+    world_size: int,
+    store: tuple[str, int],
+    device: torch.device,
+    state: Callable[[], dict[str, Any]],
+    load_state: Callable[[dict[str, Any]], None],
+) -> Any:
+    """This process's torchft `Manager` for its group (`rank` of `world_size` inside it; the group's TCP store at
+    `store`, which rank 0 of the group already serves). `state()` is what a rejoining group receives; it is copied
+    when taken, since the sender keeps training (BatchNorm statistics change in its forward) while a peer downloads."""
+    torchft = require_torchft()
+    process_group = torchft.ProcessGroupNCCL if device.type == "cuda" else torchft.ProcessGroupGloo
+    return torchft.Manager(
+        pg=process_group(timeout=spec.timeout),
+        load_state_dict=load_state,
+        state_dict=lambda: copy.deepcopy(state()),
+        min_replica_size=spec.min_replicas,
+        # The quorum is awaited before the step's forward: a group that heals takes the weights before computing on
+        # them, and no state is read by the transfer thread while the step changes it (DiLoCo needs this anyway).
+        use_async_quorum=False,
+        timeout=spec.timeout,
+        quorum_timeout=spec.quorum_timeout,
+        connect_timeout=spec.timeout,
+        rank=rank,
+        world_size=world_size,
+        store_addr=store[0],
+        store_port=store[1],
+        lighthouse_addr=spec.lighthouse,
+        replica_id=f"group{spec.replica_group}",  # torchft appends a fresh uuid per start
+    )
+
+
+@torch.no_grad()
+def average_gradients_(manager: Any, parameters: Iterable[Tensor]) -> None:
+    """Replace each gradient by its mean over the groups of the current quorum: one float32 all-reduce through the
+    manager per device. A missing gradient is sent as zeros, so every group sends the same buffer (and receives one
+    afterwards). After a failed collective the values are garbage, and the manager's commit vote says no."""
+    gradients = []
+    for p in parameters:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        gradients.append(p.grad)
+    reduce_as_one_(gradients, lambda flat: manager.allreduce(flat).wait())
