@@ -65,7 +65,7 @@ class PaddedGPT2(pl.LightningModule):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         config = GPT2Config(
-            n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=LONGEST, bos_token_id=0, eos_token_id=0,
+            n_layer=1, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=LONGEST, bos_token_id=0, eos_token_id=0,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         )  # fmt: skip
         self.model = GPT2LMHeadModel(config)
@@ -125,7 +125,14 @@ MODULES: dict[str, Any] = {
 
 
 def fit(
-    name: str, *, strategy: Any, devices: int, steps: int, batch_size: int = BATCH, order: list[int] | None = None
+    name: str,
+    *,
+    strategy: Any,
+    devices: int,
+    steps: int,
+    batch_size: int = BATCH,
+    order: list[int] | None = None,
+    **trainer_kwargs: Any,
 ) -> dict[str, Any]:
     """Fit `MODULES[name]` on the padded batches through `user_modules.fit` (the user's defaults); also the warnings
     raised on this rank."""
@@ -144,5 +151,6 @@ def fit(
             steps=steps,
             shuffle=False,
             data=padded_loader(batch_size, order),
+            **trainer_kwargs,
         )
     return {**result, "warnings": [str(w.message) for w in caught]}

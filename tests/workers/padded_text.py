@@ -1,6 +1,7 @@
 """Worker: fit the padded-text modules (tests/padded_modules.py) once per config ({"name", "devices", "steps",
-"kind": "pipeline" (default), "ddp" or "tensor", "strategy": constructor kwargs}); save each fit's losses, logged
-metrics, local weights and the warnings raised on the rank."""
+"batch_size" (per replica), "kind": "pipeline" (default), "ddp" or "tensor", "strategy": constructor kwargs,
+"trainer": Trainer kwargs}); save each fit's losses, logged metrics, local weights and the warnings raised on the
+rank."""
 
 from __future__ import annotations
 
@@ -17,16 +18,12 @@ from lightning_parallel import PipelineParallelStrategy, TensorParallelStrategy 
 from lightning_parallel.strategies.ddp import DDPStrategy  # noqa: E402
 
 KINDS = {"pipeline": PipelineParallelStrategy, "ddp": DDPStrategy, "tensor": TensorParallelStrategy}
-configs, out = payload()  # batch_size: per replica
+configs, out = payload()
 results = []
 for config in configs:
     strategy = KINDS[config.get("kind", "pipeline")](**config.get("strategy", {}))
     run = {key: config[key] for key in ("devices", "steps", "batch_size") if key in config}
-    import time
-
-    t = time.perf_counter(), time.process_time()
-    results.append(fit(config["name"], strategy=strategy, **run))
-    results[-1]["seconds"] = (time.perf_counter() - t[0], time.process_time() - t[1])
+    results.append(fit(config["name"], strategy=strategy, **run, **config.get("trainer", {})))
 torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()
