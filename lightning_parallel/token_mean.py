@@ -110,7 +110,9 @@ class TokenMean(TorchFunctionMode):
         arguments["reduction"] = "sum"
         divisor = self.divisor(count)
         total = func(*bound.args, **bound.kwargs)
-        return total / (divisor.to(total.dtype) if isinstance(divisor, torch.Tensor) else divisor)
+        if isinstance(divisor, torch.Tensor):  # a loss sharded over "tp" (loss parallel) is divided by a number
+            divisor = float(divisor) if isinstance(total, DTensor) else divisor.to(total.dtype)
+        return total / divisor
 
     def inexact(self, *, model_loss: bool = False) -> str | None:
         """The losses whose average over parts is not one device's, named for a warning; None when the step's loss

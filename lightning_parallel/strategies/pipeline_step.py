@@ -158,8 +158,8 @@ class PipelinedStep(PipelineSplit):
 
     def _label_counts(self, network: nn.Module, inputs: tuple[Any, ...]) -> tuple[str, torch.Tensor | None] | None:
         """A transformers model computing its loss from `labels`: the valid labels per row it averages."""
-        if self._call is None or "labels" not in self._call.keywords:
-            return None
+        if not self.runtime.has_last or self._call is None or "labels" not in self._call.keywords:
+            return None  # only the last stage computes the loss
         keywords = self._call.bind(inputs)[1]
         ignore_index = dict(self._call.constants).get("ignore_index", -100)
         return model_label_counts(network, keywords, int(ignore_index))  # type: ignore[arg-type]

@@ -4,8 +4,10 @@ It runs twice over: once on every rank up to its network call (to learn the netw
 last stage once per micro-batch, with that micro-batch's stage output in place of the network call, as the
 schedule's loss. `self.log` calls are recorded there and replayed on every rank after the schedule, so
 `sync_dist=True` collectives line up (running them inside the schedule deadlocks). Each micro-batch's loss is made
-a share of the whole batch's mean over valid tokens (`token_mean.py`). Knows nothing about schedules or ranks: the
-strategy runs the schedule and moves the records between ranks.
+a share of the whole batch's mean over valid tokens (`token_mean.py`), counted at the step's first loss by running
+it once more per micro-batch up to its loss call. Knows nothing about schedules or ranks: the strategy runs the
+schedule and moves the records between ranks. Over 300 lines: the counting pass substitutes the network and mutes
+logs as the loss does.
 """
 
 from __future__ import annotations
@@ -219,7 +221,8 @@ class MicroSteps:
 def replay_logs(module: pl.LightningModule, records: list[list[LogRecord]], *, holds_metrics: bool) -> None:
     """Log, on this rank, what the user's step logged: each name once, its mean over the micro-batches.
 
-    Micro-batches are equal in size, so the mean of per-micro-batch means is the batch mean. A torchmetrics
+    Micro-batches are equal in size and a mean over valid tokens is each one's share of the batch's (`token_shares`),
+    so the mean over the micro-batches is the batch's value. A torchmetrics
     Metric was updated only on the last stage (`holds_metrics`); elsewhere it is marked as updated with
     nothing added, so the epoch-end `compute()` joins the same all-gather and sums the last stages' states.
     """
