@@ -99,6 +99,7 @@ def test_pipeline_schedules_match_one_device_on_padded_batches(two_processes: li
         print(f"pipeline {config['name']} {config['strategy']['schedule']} {config.get('trainer', '')}: {worst:.1e}")
 
 
+@needs_torch_2_13  # the one launch it shares runs GPT-2's labels through pipeline stages
 @pytest.mark.slow
 def test_replicas_and_tensor_parallelism_match_one_device_on_padded_batches(
     two_processes: list[list[dict[str, Any]]],
@@ -132,19 +133,14 @@ def test_a_hand_written_masked_mean_is_named_in_one_line_on_rank_zero(
 
 @pytest.mark.slow
 def test_data_by_pipeline_parallelism_matches_one_device_on_padded_batches(tmp_path: Path) -> None:
-    """dp2 x pp2 on 4 processes: each replica's last stage counts its micro-batches, one all-reduce totals them."""
+    """dp2 x pp2 on 4 processes: each replica's last stage counts its micro-batches (of 3 rows in the short batch: one,
+    on gpipe), one all-reduce totals them. `F.cross_entropy` only: GPT-2 here would double this test's time (it traces
+    per shape on 4 processes), and its labels are counted per micro-batch and totalled by the same code."""
     from distributed import run_workers
 
-    configs = [
-        {**pipeline(name, "1f1b"), "devices": 4, "batch_size": 4,
-         "strategy": {"schedule": "1f1b", "microbatches": 2, "data_parallel_size": 2}}
-        for name in ("functional", "criterion")
-    ]  # fmt: skip
-    ranks = run_workers("padded_text", 4, configs, tmp_path)
-    for index, config in enumerate(configs):
-        results = [rank[index] for rank in ranks]
-        merged = dict(results[0]["state"], **results[1]["state"])  # replica 0's two stages hold every weight
-        ref = one_device(config)
-        assert merged.keys() == ref["state"].keys()
-        worst = assert_matches(config, results, ref)
-        print(f"dp2 x pp2 {config['name']}: {worst:.1e}")
+    strategy = {"schedule": "1f1b", "microbatches": 2, "data_parallel_size": 2}
+    config = {**pipeline("functional", "1f1b"), "devices": 4, "batch_size": 4, "strategy": strategy}
+    results = [rank[0] for rank in run_workers("padded_text", 4, [config], tmp_path)]
+    ref = one_device(config)
+    assert {**results[0]["state"], **results[1]["state"]}.keys() == ref["state"].keys()  # replica 0's two stages
+    print(f"dp2 x pp2 functional: {assert_matches(config, results, ref):.1e}")
