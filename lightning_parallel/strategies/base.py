@@ -18,6 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -37,6 +38,7 @@ from lightning_parallel.strategies.mesh_precision import mesh_precision
 from lightning_parallel.strategies.mesh_processes import DEFAULT_TIMEOUT
 from lightning_parallel.strategies.module_access import ModuleAccess
 from lightning_parallel.strategies.sharded_checkpoints import OPTIMIZER_OPTIONS, ShardedCheckpoints
+from lightning_parallel.token_mean import step_over_replicas
 
 __all__ = ["DEFAULT_TIMEOUT", "OPTIMIZER_OPTIONS", "MeshStrategy"]
 
@@ -75,6 +77,7 @@ class MeshStrategy(ModuleAccess, ShardedCheckpoints):
         self._first_step_started: float | None = None
         # The most parameter bytes this rank held while materialising (and sharding) its part; set in `parallelize`.
         self.setup_peak_parameter_bytes = 0
+        self._warned_inexact = False  # the one line for a loss that cannot be one device's, at its first step
 
     # ---- one set-up order; subclasses fill in how the network is split or sharded -------------------
     @override
@@ -129,6 +132,25 @@ class MeshStrategy(ModuleAccess, ShardedCheckpoints):
             "compile": self.compile_options is not None,
             **self._first_step,
         }
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's step; over data-parallel replicas its mean over valid tokens is the whole batch's
+        (`token_mean.py`; a pipeline's own step shares it out per micro-batch instead)."""
+        replicas = self.dims.dp
+        if replicas == 1:
+            return self.lightning_step(*args, **kwargs)
+        where = f"{type(self.module).__name__}.training_step"
+        step = lambda: self.lightning_step(*args, **kwargs)  # noqa: E731
+        result, inexact = step_over_replicas(step, group=self.group("dp"), replicas=replicas, where=where)
+        if inexact is not None and not self._warned_inexact:
+            rank_zero_warn(inexact)
+            self._warned_inexact = True
+        return result
+
+    def lightning_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's own training step (the user's `training_step`), without this strategy's additions."""
+        return super().training_step(*args, **kwargs)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -1,20 +1,23 @@
 """Lightning's own DDP, with the mesh strategies' checks on the other processes: an impossible node count is
 refused before launch, and when a run fails the rank that died first is named in one line and no launched rank
-is left running (Lightning stops its children only on Ctrl+C)."""
+is left running (Lightning stops its children only on Ctrl+C). A mean over valid tokens is the whole batch's, not
+each replica's own (`token_mean.py`)."""
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_parallel.seams import finish_restored_epoch
 from lightning_parallel.strategies.arguments import check_timeout
 from lightning_parallel.strategies.module_access import ModuleAccess
 from lightning_parallel.strategies.peers import PeerFailure, check_nodes, stop_peers
+from lightning_parallel.token_mean import step_over_replicas
 
 DEFAULT_TIMEOUT = default_pg_timeout  # Lightning's own default
 
@@ -24,6 +27,10 @@ class DDPStrategy(ModuleAccess, LightningDDPStrategy):
     launch and stopping every rank when one fails."""
 
     peer_failure: PeerFailure | None = None
+    # Replicas average their gradients every step, so each step's loss is made a share of the whole batch's mean
+    # over valid tokens; strategies whose replicas step alone (local SGD, DiLoCo, async SGD) keep their own means.
+    token_mean_over_replicas: ClassVar[bool] = True
+    _warned_inexact = False
 
     def __init__(self, *, timeout: float | timedelta | None = DEFAULT_TIMEOUT, **kwargs: Any) -> None:
         if timeout is not None:
@@ -35,6 +42,18 @@ class DDPStrategy(ModuleAccess, LightningDDPStrategy):
         """summary.json's `parallel`: how the replicas agree (`sync_methods.SYNC_METHODS`), for the sweep report;
         `collectives` is false in one process, where no replica has anyone to agree with."""
         return {"kind": "ddp", "workers": self.world_size, "collectives": self.world_size > 1}
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.world_size == 1 or not self.token_mean_over_replicas:
+            return super().training_step(*args, **kwargs)
+        where = f"{type(self.module).__name__}.training_step"
+        step = lambda: super(DDPStrategy, self).training_step(*args, **kwargs)  # noqa: E731
+        result, inexact = step_over_replicas(step, group=None, replicas=self.world_size, where=where)
+        if inexact is not None and not self._warned_inexact:
+            rank_zero_warn(inexact)
+            self._warned_inexact = True
+        return result
 
     @override
     def configure_ddp(self) -> None:

@@ -23,6 +23,7 @@ from lightning_parallel.pipeline.runtime import PipelineRuntime, put_gradients, 
 from lightning_parallel.pipeline.schedule_plan import analytic_bubble
 from lightning_parallel.pipeline.split import TracedSplit
 from lightning_parallel.pipeline.tied import counted_elsewhere, sum_tied_gradients
+from lightning_parallel.pipeline.token_shares import TokenShares
 from lightning_parallel.replicas import average_
 from lightning_parallel.strategies.pipeline_split import PipelineSplit
 from lightning_parallel.strategies.stage_sharding import stages_on_mesh
@@ -34,6 +35,7 @@ from lightning_parallel.strategies.user_step import (
     swap_attribute,
 )
 from lightning_parallel.tensor.plans import keep_gradients_sharded
+from lightning_parallel.token_mean import model_label_counts
 
 
 class PipelinedStep(PipelineSplit):
@@ -61,7 +63,8 @@ class PipelinedStep(PipelineSplit):
         if self._runtime is not None:
             return
         assert self._split is not None  # split in parallelize(), before on_device()
-        self._micro_steps = MicroSteps(module, network, self._user_step, self._split.output)
+        shares = TokenShares(replicas=self.dims.dp, group=self.group("dp"))
+        self._micro_steps = MicroSteps(module, network, self._user_step, self._split.output, shares)
         self._runtime = self._build_runtime(self.pp_rank)
         if self.global_rank == 0:
             rank_zero_info(
@@ -116,11 +119,12 @@ class PipelinedStep(PipelineSplit):
         inputs = self._network_inputs(network, capture_network_inputs(lambda: self._user_step(batch), network, module))
         rows = inputs[0].shape[0]
         micro_steps = self.micro_steps
-        micro_steps.begin(batch, rows)
+        micro_steps.begin(batch, rows, self._label_counts(network, inputs))
         params = self.local_parameters()
         earlier = take_gradients(params)  # gradients accumulated by earlier micro-steps
         with self.precision_plugin.train_step_context():
             loss = self.runtime.train_step(inputs, torch.arange(rows, device=self.root_device))
+        micro_steps.end()
         commit_batchnorm(self._batchnorms)
         self._fresh_grads = take_gradients(params)
         put_gradients(params, earlier)
@@ -132,6 +136,9 @@ class PipelinedStep(PipelineSplit):
         value, step_report = report[0]  # type: ignore[misc]
         if step_report.error is not None:
             raise StepRefused(step_report.error)
+        if step_report.inexact is not None and not self._warned_inexact:
+            rank_zero_warn(step_report.inexact)
+            self._warned_inexact = True
         replay_logs(module, step_report.records, holds_metrics=self.runtime.has_last)
         return torch.tensor(value, dtype=torch.float32, device=self.root_device)
 
@@ -149,8 +156,16 @@ class PipelinedStep(PipelineSplit):
             )
         return inputs
 
+    def _label_counts(self, network: nn.Module, inputs: tuple[Any, ...]) -> tuple[str, torch.Tensor | None] | None:
+        """A transformers model computing its loss from `labels`: the valid labels per row it averages."""
+        if not self.runtime.has_last or self._call is None or "labels" not in self._call.keywords:
+            return None  # only the last stage computes the loss
+        keywords = self._call.bind(inputs)[1]
+        ignore_index = dict(self._call.constants).get("ignore_index", -100)
+        return model_label_counts(network, keywords, int(ignore_index))  # type: ignore[arg-type]
+
     def _user_step(self, batch: Any) -> Any:
-        return super().training_step(batch, *self._step_rest, **self._step_kwargs)
+        return self.lightning_step(batch, *self._step_rest, **self._step_kwargs)
 
     @property
     def micro_steps(self) -> MicroSteps:

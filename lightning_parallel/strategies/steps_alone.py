@@ -27,6 +27,7 @@ class StepsAlone(DDPStrategy):
     A `DDPStrategy` itself, so that its `super()` calls and `module` resolve to DDP's, as they do at run time."""
 
     _alone = False  # set from the start to the end of training
+    token_mean_over_replicas = False  # a per-step count over the replicas would be a meeting too
 
     @override
     def on_train_start(self) -> None:

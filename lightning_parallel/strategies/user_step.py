@@ -3,15 +3,18 @@
 It runs twice over: once on every rank up to its network call (to learn the network's inputs), then on the
 last stage once per micro-batch, with that micro-batch's stage output in place of the network call, as the
 schedule's loss. `self.log` calls are recorded there and replayed on every rank after the schedule, so
-`sync_dist=True` collectives line up (running them inside the schedule deadlocks). Knows nothing about
-schedules or ranks: the strategy runs the schedule and moves the records between ranks.
+`sync_dist=True` collectives line up (running them inside the schedule deadlocks). Each micro-batch's loss is made
+a share of the whole batch's mean over valid tokens (`token_mean.py`), counted at the step's first loss by running
+it once more per micro-batch up to its loss call. Knows nothing about schedules or ranks: the strategy runs the
+schedule and moves the records between ranks. Over 300 lines: the counting pass substitutes the network and mutes
+logs as the loss does.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -22,6 +25,8 @@ from torch.overrides import TorchFunctionMode
 from torchmetrics import Metric
 
 from lightning_parallel.pipeline.runtime import placeholder_loss
+from lightning_parallel.pipeline.token_shares import TokenShares
+from lightning_parallel.token_mean import Counted, TokenMean
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
 _MISSING = object()
@@ -78,6 +83,10 @@ def _ignore(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _zero(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.zeros(())
+
+
 @dataclass
 class LogRecord:
     """One `self.log` call made during a micro-batch: a plain value, or the path of a torchmetrics Metric
@@ -91,10 +100,12 @@ class LogRecord:
 
 @dataclass
 class StepReport:
-    """What the last stage learned from the user's step: per micro-batch log records, or why it refused."""
+    """What the last stage learned from the user's step: per micro-batch log records, or why it refused; and the
+    warning line when its loss could not be made one device's (`token_mean.inexact_warning`)."""
 
     records: list[list[LogRecord]] = field(default_factory=list)
     error: str | None = None
+    inexact: str | None = None
 
 
 class MicroSteps:
@@ -106,6 +117,7 @@ class MicroSteps:
         run_step: calls the user's training_step on a batch (the strategy adds the other step arguments).
         rebuild: turns what the last stage returns (a tensor or a flat tuple of tensors) into the network's own output
             (a tuple, dict or ``ModelOutput``), what the user's step reads (``out.loss``).
+        shares: this replica's micro-batch shares of the batch's mean over valid tokens.
     """
 
     def __init__(
@@ -114,32 +126,44 @@ class MicroSteps:
         network: nn.Module,
         run_step: Callable[[Any], Any],
         rebuild: Callable[[Any], Any] = lambda value: value,
+        shares: TokenShares | None = None,
     ) -> None:
         self.module = module
         self.network = network
         self.run_step = run_step
         self.rebuild = rebuild
+        self.shares = shares if shares is not None else TokenShares(replicas=1, group=None)
         self._param_names = {id(p): name for name, p in module.named_parameters()}
+        self._metrics = [m for m in module.modules() if isinstance(m, Metric)]
         self._metric_paths = {id(m): name for name, m in module.named_modules() if isinstance(m, Metric)}
         self._batch: Any = None
         self._rows = 0
+        self._counted = False
         self.report = StepReport()
 
-    def begin(self, batch: Any, rows: int) -> None:
-        """A new batch of `rows` samples (the network input's leading size) is about to be scheduled."""
-        self._batch, self._rows, self.report = batch, rows, StepReport()
+    def begin(self, batch: Any, rows: int, labels: tuple[str, torch.Tensor | None] | None = None) -> None:
+        """A new batch of `rows` samples (the network input's leading size) is about to be scheduled. `labels`: the
+        network's own loss from `labels` and its valid labels per row (`token_mean.model_label_counts`)."""
+        self._batch, self._rows, self._counted, self.report = batch, rows, False, StepReport()
+        self.shares.begin(labels)
 
     def loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
         """Loss of the micro-batch whose sample indices are `rows` (contiguous), from its stage output."""
         if self.report.error is not None:
             return placeholder_loss(output)  # finish the schedule quietly; every rank raises afterwards
-        micro_batch = slice_batch(self._batch, int(rows[0]), int(rows[-1]) + 1, self._rows)
+        start, stop = int(rows[0]), int(rows[-1]) + 1
+        size = stop - start
+        if not self._counted:  # the step's first loss on this rank: every micro-batch's valid tokens
+            self._counted = True
+            self.shares.count(self._rows // size, size, lambda part: self._count(output, part * size, size))
+        micro_batch = slice_batch(self._batch, start, stop, self._rows)
         records: list[LogRecord] = []
         try:
             with (
-                swap_attribute(self.network, "forward", _once(self.rebuild(output))),
+                swap_attribute(self.network, "forward", _once(self.shares.output(self.rebuild(output), start // size))),
                 swap_attribute(self.module, "log", self._recorder(records)),
                 _ParameterGuard(self._param_names),
+                self.shares.mode(start // size),
             ):
                 result = self.run_step(micro_batch)
             loss = _loss_of(result)
@@ -148,6 +172,31 @@ class MicroSteps:
             return placeholder_loss(output)
         self.report.records.append(records)
         return loss
+
+    def end(self) -> None:
+        """After the schedule: the warning line when this step's loss is not one device's (`report.inexact`)."""
+        if self.report.error is None:
+            self.report.inexact = self.shares.verdict(f"{type(self.module).__name__}.training_step")
+
+    def _count(self, output: Any, start: int, size: int) -> float | None:
+        """The count of valid targets of the step's mean over them on rows [start, start + size), found by running the
+        step with this micro-batch's output (every micro-batch's output has its shape) up to that call, without
+        gradients, logs or metric updates; None when it makes no such call."""
+        with ExitStack() as muted:
+            muted.enter_context(torch.no_grad())
+            muted.enter_context(swap_attribute(self.network, "forward", _once(self.rebuild(output))))
+            muted.enter_context(swap_attribute(self.module, "log", _ignore))
+            for metric in self._metrics:  # a metric updated before the loss must not count this pass
+                muted.enter_context(swap_attribute(metric, "forward", _zero))
+                muted.enter_context(swap_attribute(metric, "update", _ignore))
+            muted.enter_context(TokenMean(None, counting=True))
+            try:
+                self.run_step(slice_batch(self._batch, start, start + size, self._rows))
+            except Counted as counted:
+                return float(counted.count)
+            except Exception:  # noqa: BLE001 - the real step raises it again, in its own words
+                return None
+        return None
 
     def _recorder(self, records: list[LogRecord]) -> Callable[..., None]:
         def record(*args: Any, **kwargs: Any) -> None:
@@ -172,7 +221,8 @@ class MicroSteps:
 def replay_logs(module: pl.LightningModule, records: list[list[LogRecord]], *, holds_metrics: bool) -> None:
     """Log, on this rank, what the user's step logged: each name once, its mean over the micro-batches.
 
-    Micro-batches are equal in size, so the mean of per-micro-batch means is the batch mean. A torchmetrics
+    Micro-batches are equal in size and a mean over valid tokens is each one's share of the batch's (`token_shares`),
+    so the mean over the micro-batches is the batch's value. A torchmetrics
     Metric was updated only on the last stage (`holds_metrics`); elsewhere it is marked as updated with
     nothing added, so the epoch-end `compute()` joins the same all-gather and sums the last stages' states.
     """
