@@ -17,7 +17,7 @@ class RecordPretrained(pl.Callback):
     whenever the module holds a transformers model; adds nothing otherwise."""
 
     @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
-        pretrained = describe_pretrained(pl_module)
+    def on_save_checkpoint(self, trainer: pl.Trainer, module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        pretrained = describe_pretrained(module)
         if pretrained:
             checkpoint[RECORD_KEY] = pretrained
