@@ -1,6 +1,7 @@
 """torch's `nn.Transformer` family under the strategies: Lightning's demo `LightningTransformer` (`nn.Transformer`,
-a causal target mask) and a causal LM on `nn.TransformerEncoder` (causal and padding masks) pipeline on 2 stages
-and match one device (losses and final weights within 1e-5)."""
+a causal target mask) and a causal LM on `nn.TransformerEncoder` (causal and padding masks) pipeline on 2 stages and
+train at tensor_parallel_size 2 (the automatic plan: each layer's linear1 / linear2, attention whole), matching one
+device (losses and final weights within 1e-5); sharding inside an nn.MultiheadAttention is one line."""
 
 from __future__ import annotations
 
@@ -32,11 +33,30 @@ def gaps(results: list[dict], ref: dict) -> tuple[float, float]:
 @pytest.mark.slow
 def test_torch_transformer_modules_match_one_device(tmp_path: Path) -> None:
     names = ["demo", "encoder"]
-    configs = [{"name": name, "strategy": "pipeline", "devices": 2, "steps": STEPS} for name in names]
+    configs = [
+        {"name": name, "strategy": strategy, "devices": 2, "steps": STEPS}
+        for strategy in ("pipeline", "tensor_parallel")
+        for name in names
+    ]
     ranks = run_workers("torch_transformer", 2, configs, tmp_path)
     for index, config in enumerate(configs):
         ref = fit(build(config["name"]), strategy="auto", devices=1, steps=STEPS, shuffle=False,
                   data=loader(config["name"]))  # fmt: skip
-        loss_gap, weight_gap = gaps([rank[index] for rank in ranks], ref)
+        results = [rank[index] for rank in ranks]
+        loss_gap, weight_gap = gaps(results, ref)
         print(f"{config['name']} {config['strategy']}: loss gap {loss_gap:.1e}, weight gap {weight_gap:.1e}")
         assert loss_gap < TOL and weight_gap < TOL
+        if config["strategy"] == "tensor_parallel":  # the plan was applied: every feed-forward pair sharded
+            layers = 4 if config["name"] == "demo" else 3
+            assert len(results[0]["sharded"]) == 4 * layers, results[0]["sharded"]
+            assert all(".linear1." in name or ".linear2." in name for name in results[0]["sharded"])
+
+
+def test_a_plan_sharding_inside_multihead_attention_is_one_line() -> None:
+    from lightning_parallel.strategies.tensor import resolve_plan
+
+    network = build("encoder").model
+    plan = {"encoder.layers.*.self_attn.out_proj": "rowwise"}
+    with pytest.raises(ValueError, match=r"inside the nn\.MultiheadAttention encoder\.layers\.0\.self_attn") as error:
+        resolve_plan(network, plan, tensor_parallel_size=2, sequence_parallel=False)
+    assert "HINT: leave encoder.layers.0.self_attn whole" in str(error.value) and "\n" not in str(error.value)

@@ -1,6 +1,6 @@
 """Worker: fit tests/transformer_modules.py's modules under a strategy given by registry name (one fit per config:
-{"name", "strategy", "devices", "steps", "kwargs"}); save each fit's losses and local weights (DTensors gathered whole),
-or the error it stopped with."""
+{"name", "strategy", "devices", "steps", "kwargs"}); save each fit's losses, local weights (DTensors gathered whole)
+and the names of its DTensor parameters, or the error it stopped with."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from common import payload
 from lightning.pytorch.strategies import StrategyRegistry
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from transformer_modules import build, loader  # noqa: E402
@@ -25,7 +26,9 @@ for config in configs:
     strategy = StrategyRegistry[config["strategy"]]["strategy"](**config.get("kwargs", {}))
     try:
         run = {"devices": config["devices"], "steps": config["steps"], "data": loader(config["name"])}
-        results.append(fit(module, strategy=strategy, shuffle=False, **run))
+        result = fit(module, strategy=strategy, shuffle=False, **run)
+        result["sharded"] = sorted(name for name, p in module.named_parameters() if isinstance(p, DTensor))
+        results.append(result)
     except Exception as error:  # a refusal raises the same line on every rank
         traceback.print_exc()
         results.append({"error": f"{type(error).__name__}: {error}"})
