@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from distributed import run_workers
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -60,3 +61,48 @@ def test_a_plan_sharding_inside_multihead_attention_is_one_line() -> None:
     with pytest.raises(ValueError, match=r"inside the nn\.MultiheadAttention encoder\.layers\.0\.self_attn") as error:
         resolve_plan(network, plan, tensor_parallel_size=2, sequence_parallel=False)
     assert "HINT: leave encoder.layers.0.self_attn whole" in str(error.value) and "\n" not in str(error.value)
+
+
+class CpuMask(torch.nn.Module):
+    """A TransformerEncoder whose causal mask is made on the CPU, whatever the input's device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(8, 8)
+        layer = torch.nn.TransformerEncoderLayer(8, nhead=2, dim_feedforward=8, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, num_layers=2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(ids.size(1))
+        return self.encoder(self.embedding(ids), mask=mask)
+
+
+def test_a_mask_made_on_a_fixed_device_is_named_in_one_line() -> None:
+    from lightning_parallel.pipeline.call import network_call
+    from lightning_parallel.pipeline.traced import TracedNetwork
+
+    network = CpuMask()
+    call, flat = network_call(network, (torch.zeros(2, 4, dtype=torch.long),), {})
+    with pytest.raises(ValueError, match="makes a tensor on a fixed device") as error:
+        TracedNetwork(network, flat, call)
+    message = str(error.value)
+    assert "test_torch_transformer.py" in message and "mask=mask" in message and "device=x.device" in message
+    assert "\n" not in message
+
+
+def test_masks_are_taken_as_given_only_while_tracing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.nn.modules import transformer
+
+    from lightning_parallel import seams
+
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(4)
+    detect = transformer._detect_is_causal_mask
+    assert detect(causal) is True  # torch compares the mask's values: a branch on data
+    with seams.transformer_masks_as_given():
+        assert transformer._detect_is_causal_mask(causal) is False  # taken as given: the mask still applies
+        assert transformer._detect_is_causal_mask(causal, True) is True  # the caller's is_causal is kept
+        assert not torch.backends.mha.get_fastpath_enabled()
+    assert transformer._detect_is_causal_mask is detect and torch.backends.mha.get_fastpath_enabled()
+    monkeypatch.setattr(transformer, "_detect_is_causal_mask", lambda mask, is_causal=None: False)
+    with pytest.raises(seams.SeamChanged, match="_detect_is_causal_mask"), seams.transformer_masks_as_given():
+        pass
