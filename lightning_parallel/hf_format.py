@@ -36,17 +36,18 @@ def describe_pretrained(module: nn.Module) -> dict[str, dict[str, Any]]:
     """What an export needs to know of each transformers model in `module`, as JSON-able data: its class, its config
     as a dict, the weights it ties (`{target: source}`, transformers' `all_tied_weights_keys`; only the source is
     saved) and the keys it never saves. Works on a pruned or sharded model: nothing here reads a parameter."""
-    described = {}
+    described: dict[str, dict[str, Any]] = {}
     for path, model in pretrained_models(module).items():
         config: Any = model.config
+        described[path] = {"class": type(model).__name__, "module": type(model).__module__}
+        try:
+            described[path]["config"] = json.loads(json.dumps(config.to_dict(), default=_dtype_name))
+        except (TypeError, ValueError) as error:  # a save never fails for the record's sake: the export says why
+            described[path]["unrecorded"] = f"its config is not JSON ({error})"
+            continue
         tied = getattr(model, "all_tied_weights_keys", None) or {}
-        described[path] = {
-            "class": type(model).__name__,
-            "module": type(model).__module__,
-            "config": json.loads(json.dumps(config.to_dict(), default=_dtype_name)),
-            "tied": {str(target): str(source) for target, source in tied.items()},
-            "not_saved": sorted(str(key) for key in getattr(model, "_keys_to_ignore_on_save", None) or ()),
-        }
+        described[path]["tied"] = {str(target): str(source) for target, source in tied.items()}
+        described[path]["not_saved"] = sorted(str(k) for k in getattr(model, "_keys_to_ignore_on_save", None) or ())
     return described
 
 
@@ -70,7 +71,13 @@ def pick_record(records: Any, source: str | os.PathLike) -> tuple[str, dict[str,
             f"{source} holds {len(records)} transformers models ({', '.join(sorted(records))}), and a Hugging Face "
             "directory holds one. HINT: save the one to export from a LightningModule that holds only it"
         )
-    return next(iter(records.items()))
+    path, record = next(iter(records.items()))
+    if "unrecorded" in record:
+        raise ValueError(
+            f"{source} holds a {record['class']} whose config could not be recorded when it was saved: "
+            f"{record['unrecorded']}. HINT: make the config's values JSON-serialisable and save again"
+        )
+    return path, record
 
 
 def pretrained_tensors(state: dict[str, Any], path: str, record: dict[str, Any]) -> dict[str, torch.Tensor]:

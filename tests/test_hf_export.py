@@ -64,3 +64,34 @@ def test_a_checkpoint_of_no_transformers_model_is_one_line(tmp_path: Path, capsy
     error = capsys.readouterr().err
     assert "records no transformers model" in error and "HINT" in error and error.count("\n") == 1
     assert not (tmp_path / "hf").exists()
+
+
+class _Config:
+    model_type = "toy"
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def to_dict(self) -> dict:
+        return {"model_type": self.model_type, "value": self.value}
+
+
+class _Toy(torch.nn.Module):
+    """Recognised by structure alone, as any transformers model is: a `config` with `to_dict` and `model_type`."""
+
+    def __init__(self, value: object) -> None:
+        super().__init__()
+        self.config = _Config(value)
+        self.layer = torch.nn.Linear(2, 2)
+
+
+def test_a_config_json_cannot_write_is_named_at_export(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    holder = torch.nn.Module()
+    holder.net = _Toy(object())  # a value json cannot write: the save still succeeds
+    checkpoint = tmp_path / "toy.ckpt"
+    torch.save({"state_dict": holder.state_dict(), "hugging_face": describe_pretrained(holder)}, checkpoint)
+    assert main(["export", str(checkpoint), str(tmp_path / "hf"), "--hf"]) == 2
+    error = capsys.readouterr().err
+    assert "_Toy whose config could not be recorded" in error and "not JSON" in error and error.count("\n") == 1
+    holder.net = _Toy(3)
+    assert describe_pretrained(holder)["net"]["config"] == {"model_type": "toy", "value": 3}
