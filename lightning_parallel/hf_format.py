@@ -108,8 +108,10 @@ def pretrained_tensors(state: dict[str, Any], path: str, record: dict[str, Any])
 def write_pretrained(out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], record: dict[str, Any]) -> Path:
     """Write `config.json` and `model.safetensors` (metadata `{"format": "pt"}`) as `save_pretrained` does, so
     `AutoModel*.from_pretrained(out_dir)` builds the recorded class with these weights."""
-    from safetensors.torch import save_file
-
+    try:
+        from safetensors.torch import save_file  # installed with transformers; the library does not need it otherwise
+    except ImportError:
+        raise ValueError("export --hf writes model.safetensors. HINT: pip install safetensors") from None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     floating = [t.dtype for t in tensors.values() if t.is_floating_point()]
