@@ -7,6 +7,7 @@ decides who writes what and when (see strategies/base.py). Every read runs no co
 caller passes `weights_only=False` for a checkpoint it trusts (see unpickling.py).
 
 Export to one file: `python -m lightning_parallel.checkpoint export CHECKPOINT_DIR OUT.ckpt`
+Export a transformers model as a Hugging Face directory: `... export CHECKPOINT OUT_DIR --hf` (see hf_format.py)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_parallel.hf_format import RECORD_KEY, pick_record, pretrained_tensors, write_pretrained
 from lightning_parallel.unpickling import (
     METADATA_FILE,
     CheckedLoadPlanner,
@@ -144,6 +146,12 @@ def saved_tensors(path: str | os.PathLike, *, weights_only: bool = True) -> dict
     if path.is_dir():
         read_meta(path, weights_only=weights_only)
         return sharded_tensors(path, weights_only=weights_only)
+    state = _load_single_file(path, weights_only=weights_only)[MODEL_KEY]
+    return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def _load_single_file(path: Path, *, weights_only: bool) -> dict[str, Any]:
+    """A Lightning checkpoint file, memory-mapped (tensors read when used); one line for a file that is not one."""
     try:
         checkpoint = load_file(path, weights_only=weights_only, mmap=True)
     except UntrustedCheckpoint:
@@ -157,7 +165,7 @@ def saved_tensors(path: str | os.PathLike, *, weights_only: bool = True) -> dict
         raise ValueError(
             f"{path} holds no '{MODEL_KEY}', so it is not a Lightning checkpoint. HINT: pass a .ckpt a run saved"
         )
-    return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    return checkpoint
 
 
 def sharded_tensors(path: Path, *, weights_only: bool = True) -> dict[str, tuple[int, ...]]:
@@ -220,14 +228,17 @@ def load_shards(state: dict[str, Any], path: str | os.PathLike, *, weights_only:
         raise
 
 
-def whole_state(path: str | os.PathLike, *, weights_only: bool = True) -> dict[str, Any]:
+def whole_state(path: str | os.PathLike, *, weights_only: bool = True, only: str | None = None) -> dict[str, Any]:
     """Everything a sharded checkpoint's shards hold, as whole tensors in their saved nesting (`state_dict`,
-    `optimizer_0`, ...), built from its metadata (what `dcp_to_torch_save` does, with checked reads)."""
+    `optimizer_0`, ...), built from its metadata (what `dcp_to_torch_save` does, with checked reads); with `only`,
+    just that entry (`only=MODEL_KEY`: the model, not the optimizers). Tensor-parallel shards come back whole."""
     metadata = read_metadata(path, weights_only=weights_only)
     state: dict[str, Any] = {}
     for key, item in metadata.state_dict_metadata.items():
         value = torch.empty(item.size, dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
         *parents, last = (metadata.planner_data or {}).get(key, (key,))  # our saves nest by name: dicts only
+        if only is not None and (parents or [last])[0] != only:
+            continue
         node = state
         for part in parents:
             node = node.setdefault(part, {})
@@ -248,19 +259,39 @@ def export(path: str | os.PathLike, out: str | os.PathLike, *, weights_only: boo
     return out
 
 
+def export_pretrained(path: str | os.PathLike, out_dir: str | os.PathLike, *, weights_only: bool = True) -> Path:
+    """Write the transformers model a checkpoint (a sharded directory or one Lightning file, of any layout) recorded
+    at save time as a Hugging Face `save_pretrained` directory, without the LightningModule that trained it."""
+    if Path(path).is_dir():
+        record = read_meta(path, weights_only=weights_only).get(RECORD_KEY)
+        attribute, described = pick_record(record, path)  # before the shards are read
+        state = whole_state(path, weights_only=weights_only, only=MODEL_KEY).get(MODEL_KEY, {})
+    else:
+        checkpoint = _load_single_file(Path(path), weights_only=weights_only)
+        attribute, described = pick_record(checkpoint.get(RECORD_KEY), path)
+        state = checkpoint[MODEL_KEY]
+    return write_pretrained(out_dir, pretrained_tensors(state, attribute, described), described)
+
+
 TRUSTED_HELP = "read a checkpoint you trust even if loading it can run code from it (weights_only=False)"
+HF_HELP = (
+    "write the transformers model the checkpoint recorded as a Hugging Face save_pretrained directory (config.json + "
+    "model.safetensors) that AutoModel*.from_pretrained reads"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_parallel.checkpoint", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     exporter = commands.add_parser("export", help="write a sharded checkpoint directory as one file")
-    exporter.add_argument("checkpoint", help="the checkpoint directory (e.g. <run>/checkpoints/last.ckpt)")
-    exporter.add_argument("out", help="the single file to write")
+    exporter.add_argument("checkpoint", help="the checkpoint (e.g. <run>/checkpoints/last.ckpt; with --hf also a file)")
+    exporter.add_argument("out", help="the single file to write (with --hf: the directory)")
+    exporter.add_argument("--hf", action="store_true", help=HF_HELP)
     exporter.add_argument("--trusted", action="store_true", help=TRUSTED_HELP)
     args = parser.parse_args(argv)
+    write = export_pretrained if args.hf else export
     try:
-        written = export(args.checkpoint, args.out, weights_only=not args.trusted)
+        written = write(args.checkpoint, args.out, weights_only=not args.trusted)
     except UntrustedCheckpoint as error:
         print(f"error: {error.line('--trusted')}", file=sys.stderr)
         return 2

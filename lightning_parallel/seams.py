@@ -7,8 +7,9 @@ wrong result or an AttributeError deep inside a run. A new torch version starts 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -192,6 +193,32 @@ def fit_weights_only() -> bool | None:
             return frame.f_locals["weights_only"]
         frame = frame.f_back
     return None
+
+
+@contextlib.contextmanager
+def transformer_masks_as_given() -> Iterator[None]:
+    """While torch traces a network: torch's `nn.TransformerEncoder` / `nn.TransformerDecoder` take an attention mask
+    as given instead of comparing its values with a causal mask (`_detect_is_causal_mask`, a branch on data the tracer
+    cannot follow, which only picks a kernel for the same result), and the fast paths of their layers and of
+    `nn.MultiheadAttention` (eval / no-grad kernels, nested tensors) are off, so the trace holds the ops every mode
+    runs. An `is_causal` the caller passes is kept."""
+    from torch.nn.modules import transformer
+
+    detect = getattr(transformer, "_detect_is_causal_mask", None)
+    if not callable(detect) or list(inspect.signature(detect).parameters) != ["mask", "is_causal", "size"]:
+        raise changed("torch", "torch.nn.modules.transformer._detect_is_causal_mask", "trace nn.Transformer layers")
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    transformer._detect_is_causal_mask = _causal_only_if_told
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        transformer._detect_is_causal_mask = detect
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+
+
+def _causal_only_if_told(mask: torch.Tensor | None, is_causal: bool | None = None, size: int | None = None) -> bool:
+    return is_causal is True  # the mask itself still applies: the same attention, without the data-dependent check
 
 
 # What needs a newer torch than the range's lower bound: feature -> (the first torch it passed on, what older ones do).

@@ -194,6 +194,7 @@ def test_hugging_face_models_match_one_device_under_every_schedule_family(tmp_pa
     configs.append(
         {"name": "gpt2_untied", "devices": 2, "steps": STEPS, "strategy": {"schedule": "zbv"}, "validate": False}
     )
+    configs[0].update(save_every=STEPS, save_dir=str(tmp_path / "saved"))  # gpt2 under gpipe: the --hf export below
     ranks = run_workers("hf_pipeline", 2, configs, tmp_path)
     refs = {name: fit(name, strategy="auto", devices=1, steps=STEPS) for name in names}
     for index, config in enumerate(configs):
@@ -208,6 +209,17 @@ def test_hugging_face_models_match_one_device_under_every_schedule_family(tmp_pa
                 assert abs(result["metrics"][key] - ref["metrics"][key]) < TOL, (key, result["metrics"], ref["metrics"])
                 worst = max(worst, abs(result["metrics"][key] - ref["metrics"][key]))
         print(f"{config['name']} {config['strategy']['schedule']}: max abs diff {worst:.2e}")
+    assert_exports_trained_logits(tmp_path / "saved", refs["gpt2"], "pp2")
+
+
+def assert_exports_trained_logits(saved: Path, ref: dict, layout: str) -> None:
+    """The sharded checkpoint of the last step, exported with --hf and read by `from_pretrained`, gives the logits of
+    the model one device trained."""
+    from hf_modules import exported_logits_gap
+
+    gap = exported_logits_gap(str(saved / f"step={STEPS}.ckpt"), ref["state"], str(saved / "hf"))
+    print(f"gpt2 {layout} exported with --hf: logits gap {gap:.2e}")
+    assert gap < TOL
 
 
 @needs_torch_2_13
@@ -335,13 +347,16 @@ def test_hugging_face_models_at_pp2_by_tp2_match_one_device(tmp_path: Path) -> N
          "strategy": {"tensor_parallel_size": 2, "plan": plan, "schedule": "1f1b"}}
         for name, plan in plans.items()
     ]  # fmt: skip
+    configs[1].update(save_every=STEPS, save_dir=str(tmp_path / "saved"))  # gpt2: the --hf export below
     ranks = run_workers("hf_pipeline", 4, configs, tmp_path)
+    refs = {model: fit(model, strategy="auto", devices=1, steps=STEPS) for model in plans}
     for index, model in enumerate(plans):
-        ref = fit(model, strategy="auto", devices=1, steps=STEPS)
+        ref = refs[model]
         results = [rank[index] for rank in ranks]
         worst = max(assert_matches(result, ref, results) for result in results)
         assert all(result["sharded"] > 0 for result in results), model
         print(f"{model} pp2 x tp2: max abs diff {worst:.2e}")
+    assert_exports_trained_logits(tmp_path / "saved", refs["gpt2"], "pp2 x tp2")  # tp shards gathered whole
 
 
 def test_an_empty_model_plan_is_refused_in_one_line() -> None:

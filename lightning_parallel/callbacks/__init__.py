@@ -1,6 +1,7 @@
 """Lightning callbacks usable in any project."""
 
 from lightning_parallel.callbacks.exact_resume import ExactResume
+from lightning_parallel.callbacks.record_pretrained import RecordPretrained
 from lightning_parallel.callbacks.run_summary import RunSummary
 
-__all__ = ["ExactResume", "RunSummary"]
+__all__ = ["ExactResume", "RecordPretrained", "RunSummary"]

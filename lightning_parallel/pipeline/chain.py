@@ -89,7 +89,9 @@ def to_chain_stage(
     """Rewrite one traced stage, in place, to take ``flow.live_in`` and return ``flow.live_out``.
 
     Values only passed through come back as the very input tensors (autograd routes their gradient through
-    unchanged). With ``outputs`` (the last stage) it returns the network's output tensors instead: the tensor when
+    unchanged). Every input's gradient and every value handed to the next stage is made contiguous
+    (`contiguous_gradient`, `contiguous`): stages exchange them through gloo / NCCL, which take contiguous tensors
+    only. With ``outputs`` (the last stage) it returns the network's output tensors instead: the tensor when
     ``out_spec`` is a single tensor, else their flat tuple, which ``rebuild_output`` turns back into the network's
     own structure. The outputs at the ``scalars`` indices (a loss) leave as shape (1,): a forward-only schedule
     concatenates each output over micro-batches, which a 0-d tensor does not allow.
@@ -114,12 +116,15 @@ def to_chain_stage(
             with graph.inserting_before(body):
                 value_node[name] = graph.placeholder(f"carry_{name}")
         body.prepend(value_node[name])  # placeholders in live_in order
+    for name in flow.live_in:
+        _wrap_uses(graph, value_node[name], contiguous_gradient, before=body)
     output = graph.output_node()
     produced = output.args[0]
     for name, index in flow.results.items():
         value_node[name] = _result(produced, index)
     if outputs is None:
-        returned = tuple(value_node[name] for name in flow.live_out)
+        with graph.inserting_before(output):
+            returned = tuple(graph.call_function(contiguous, (value_node[name],)) for name in flow.live_out)
         output.args = (returned[0] if len(returned) == 1 else returned,)
     else:
         leaves = tuple(value_node[name] for name in outputs)
@@ -132,6 +137,40 @@ def to_chain_stage(
     graph.lint()
     module.recompile()
     return module
+
+
+def _wrap_uses(graph: fx.Graph, node: fx.Node, function: object, *, before: fx.Node) -> None:
+    """Route every use of `node` through `function(node)`, inserted before `before`."""
+    with graph.inserting_before(before):
+        wrapped = graph.call_function(function, (node,))  # type: ignore[arg-type]
+    node.replace_all_uses_with(wrapped, delete_user_cb=lambda user: user is not wrapped)
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous. `PipelineStage` receives a stage input's gradient
+    into a buffer with the strides that gradient had at shape inference, and gloo refuses a non-contiguous one ("input
+    tensor has to be contiguous": `nn.MultiheadAttention` with batch_first transposes its input, and the gradient
+    comes back transposed)."""
+
+    @staticmethod
+    def forward(ctx: object, value: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad.contiguous()
+
+
+def contiguous_gradient(value: object) -> object:
+    """A chain stage's input, unchanged, whose gradient leaves the stage contiguous (see `_ContiguousGradient`)."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return _ContiguousGradient.apply(value)
+    return value
+
+
+def contiguous(value: object) -> object:
+    """A value a chain stage hands to the next one, contiguous: its receive buffer gets the strides it has."""
+    return value.contiguous() if isinstance(value, torch.Tensor) else value
 
 
 def rebuild_output(output: object, out_spec: pytree.TreeSpec | None, scalars: frozenset[int] = frozenset()) -> object:

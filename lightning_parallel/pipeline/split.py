@@ -24,7 +24,7 @@ from lightning_parallel.pipeline.partition import (
 )
 from lightning_parallel.pipeline.runtime import StageFactory
 from lightning_parallel.pipeline.tied import TiedGroup
-from lightning_parallel.pipeline.traced import TracedNetwork, prune_children
+from lightning_parallel.pipeline.traced import TracedNetwork
 
 Balance = str | Sequence[Sequence[str]]
 
@@ -145,7 +145,7 @@ class TracedSplit(NetworkSplit):
         return [group for group in groups if len(group.ranks) > 1]
 
     def prune(self, keep: Sequence[str]) -> None:
-        prune_children(self.network, keep, self.blocks)
+        self.traced.prune(self.network, keep)
 
     def stage_modules(self, partition: Partition, rank: int, example: tuple[torch.Tensor, ...]) -> dict[int, nn.Module]:
         stages = [list(stage) for stage in partition.stages]

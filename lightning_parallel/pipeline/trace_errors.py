@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import linecache
 import re
+import traceback
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -71,8 +73,25 @@ def explain_failure(name: str, error: Exception) -> str:
             f"pipeline tracing: {name}.forward branches on a tensor value{where}. HINT: make the branch a "
             "module-level choice (a constructor argument), or wrap the network as an nn.Sequential of blocks."
         )
+    if type(chain[-1]).__name__ == "FakeTensorDeviceMismatchError":  # torch's fake tensors, met on the meta device
+        where = where or _user_frame(chain[-1])
+        return (
+            f"pipeline tracing: {name}.forward makes a tensor on a fixed device and uses it with its inputs{where}; "
+            "the trace runs on the meta device. HINT: create it on the input's device, e.g. torch.zeros(..., "
+            "device=x.device) or nn.Transformer.generate_square_subsequent_mask(T, device=x.device)"
+        )
     first = str(chain[-1]).strip().splitlines()[0] if str(chain[-1]).strip() else type(chain[-1]).__name__
     return (
         f"pipeline tracing: torch.export cannot trace {name}.forward{where}: {type(chain[-1]).__name__}: {first}. "
         "HINT: remove that construct from forward, or wrap the network as an nn.Sequential of blocks."
     )
+
+
+def _user_frame(error: BaseException) -> str:
+    """`` at file.py:12 (code)`` for the innermost frame of `error`'s traceback outside torch and this package."""
+    skipped = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if not frame.filename.startswith(skipped)]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f" at {frame.filename}:{frame.lineno}" + (f" ({frame.line.strip()})" if frame.line else "")

@@ -27,7 +27,7 @@ from lightning_parallel.pipeline.balance import split_explicit
 from lightning_parallel.pipeline.call import NetworkCall
 from lightning_parallel.pipeline.chain import rebuild_output, retarget_device, stage_flows, to_chain_stage
 from lightning_parallel.pipeline.trace_errors import check_boundary, explain_failure
-from lightning_parallel.seams import refuse_older_torch
+from lightning_parallel.seams import refuse_older_torch, transformer_masks_as_given
 
 
 class TracedNetwork:
@@ -133,6 +133,23 @@ class TracedNetwork:
                 users.setdefault(name, []).append(block)
         return {name: blocks for name, blocks in users.items() if len(blocks) > 1}
 
+    def prune(self, network: nn.Module, keep: Iterable[str]) -> None:
+        """Prune ``network`` in place to the blocks in ``keep`` (``prune_children``) and to the other modules with
+        parameters that those blocks' stages read: an embedding called twice before the first block (not a block)
+        stays only on the rank that computes with it, so no rank trains or saves a copy it never updates."""
+        kept = set(keep)
+        prune_children(network, kept, self.blocks)
+        reads = [set(uses) for uses in self._uses]
+        read_here = set().union(*(uses for block, uses in zip(self.blocks, reads, strict=True) if block in kept))
+        read_anywhere = set().union(*reads)
+        canonical = {id(p): name for name, p in self._meta.named_parameters()}
+        unread = []
+        for name in _outside_blocks(self._meta, self.blocks):
+            names = {canonical[id(p)] for p in self._meta.get_submodule(name).parameters()}
+            if names and names <= read_anywhere and not names & read_here:  # never-read modules stay everywhere
+                unread.append(name)
+        prune_children(network, [], unread)
+
     def _chain(
         self, inputs: tuple[torch.Tensor, ...], split: list[list[str]], modes: dict[str, bool], device=None
     ) -> list[nn.Module]:
@@ -181,7 +198,7 @@ class TracedNetwork:
             traced.forward = functools.partial(traced.forward, **dict(self.call.constants))
         spec = {name: SplitPoint.BEGINNING for name in split_points} or None
         try:
-            with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), transformer_masks_as_given():
                 warnings.simplefilter("ignore")
                 pipe = pipeline(traced, args, mb_kwargs=kwargs or None, split_spec=spec)
         except Exception as error:
@@ -230,6 +247,16 @@ def prune_children(network: nn.Module, keep: Iterable[str], blocks: Sequence[str
         if name not in kept:
             parent, _, leaf = name.rpartition(".")
             network.get_submodule(parent).add_module(leaf, nn.Identity())
+
+
+def _outside_blocks(network: nn.Module, blocks: Sequence[str]) -> list[str]:
+    """The outermost submodules that are no block, inside none and hold none (modules called twice, or not at all)."""
+    found: list[str] = []
+    for name, _ in network.named_modules():
+        related = [*blocks, *found]
+        if name and not any(name == b or name.startswith(b + ".") or b.startswith(name + ".") for b in related):
+            found.append(name)
+    return found
 
 
 def _as_inputs(example: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -1,6 +1,7 @@
 """Sharded checkpoints of a mesh strategy (torch.distributed.checkpoint), keyed by the network's original parameter
 names: every rank writes its own shards and reads what its part needs, so a checkpoint loads into any layout. Reading
-runs no code from the files (`unpickling.py`). The file format itself is `checkpoint.py`'s.
+runs no code from the files (`unpickling.py`). The file format itself is `checkpoint.py`'s. A transformers model in the
+module is recorded (`hf_format.py`), so `export --hf` needs no LightningModule.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from lightning_parallel.checkpoint import (
     replace_with,
     sharded_tensors,
 )
+from lightning_parallel.hf_format import RECORD_KEY, describe_pretrained
 from lightning_parallel.parameter_kinds import groups_by_kind
 from lightning_parallel.seams import finish_restored_epoch, fit_weights_only
 from lightning_parallel.strategies.mesh_processes import MeshProcesses
@@ -79,6 +81,10 @@ class ShardedCheckpoints(MeshProcesses):
         if self.is_global_zero:
             recover(path.parent)  # what a run killed during an earlier save left behind
         self.barrier()
+        assert self.lightning_module is not None  # saving happens in a fit
+        pretrained = describe_pretrained(self.lightning_module)  # class and config: `export --hf` builds nothing
+        if pretrained:
+            checkpoint[RECORD_KEY] = pretrained
         shards = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
         shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
         dcp.save(shards, checkpoint_id=str(partial))

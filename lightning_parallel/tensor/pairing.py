@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from lightning_parallel.tensor.styles import STYLE_TRAITS
+from lightning_parallel.tensor.torch_layers import feed_forward_plan
 
 # Ops that act on each element alone, so a feature- or channel-sharded activation passes through them unchanged.
 _ELEMENTWISE_MODULES: tuple[type[nn.Module], ...] = (
@@ -61,10 +62,14 @@ def auto_plan(model: nn.Module, *, tensor_parallel_size: int) -> AutoPlan:
         ValueError: The model cannot be traced, or no pair can be sharded; the message names each module and why.
     """
     tp = tensor_parallel_size
+    layers, layers_whole = feed_forward_plan(model, tensor_parallel_size=tp)  # torch's transformer layers (fx leaves)
     try:
         graph = fx.symbolic_trace(model).graph
     except Exception as error:  # fx raises many types (TraceError, TypeError, ...) for untraceable code
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if layers:  # the layers' pairs need no trace; the rest of the model stays whole
+            rest = f"torch.fx cannot trace {type(model).__name__} ({reason}): only torch's transformer layers planned"
+            return AutoPlan(plan=layers, replicated={**layers_whole, "": rest})
         raise ValueError(
             f"automatic tensor plan: torch.fx cannot trace {type(model).__name__} ({reason}). "
             "HINT: give the model a `tp_plan` dict or pass plan={'<module pattern>': 'colwise', ...}"
@@ -81,7 +86,8 @@ def auto_plan(model: nn.Module, *, tensor_parallel_size: int) -> AutoPlan:
             else:
                 why.setdefault(str(node.target), found)
     order = {name: index for index, name in enumerate(modules)}
-    plan = dict(sorted(_best_pairs(pairs, why).items(), key=lambda item: order[item[0]]))
+    why.update(layers_whole)
+    plan = dict(sorted({**_best_pairs(pairs, why), **layers}.items(), key=lambda item: order[item[0]]))
     replicated = {name: reason for name, reason in why.items() if name not in plan}
     for name, module in modules.items():
         if name not in plan and name not in replicated and any(True for _ in module.parameters(recurse=False)):

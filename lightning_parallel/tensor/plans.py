@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.tensor.styles import STYLE_TRAITS, Conv1D
+from lightning_parallel.tensor.torch_layers import refuse_sharded_attention
 from lightning_parallel.tensor.transposed_linear import TRANSPOSED_STYLES
 
 # style name -> what it does (the one-line descriptions of `styles.STYLE_TRAITS`)
@@ -77,6 +78,7 @@ def check_plan(
     """
     tp = tensor_parallel_size
     modules = dict(model.named_modules())
+    refuse_sharded_attention(model, plan)
     for name, style in plan.items():
         module = modules[name]
         accepts = STYLE_TRAITS[style].accepts
