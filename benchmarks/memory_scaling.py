@@ -6,6 +6,7 @@ Writes results/memory_scaling.{json,md}. Usage: .venv/bin/python benchmarks/memo
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 from typing import Any
 
@@ -183,6 +184,7 @@ def notes(sizes: list[dict[str, Any]], tiny: dict[str, Any], points: dict[str, l
 
 
 def write_report(result: dict[str, Any]) -> None:
+    saved = copy.deepcopy(result)  # the JSON as measured, without the labels added here for the tables
     sizes = result["sizes"]
     for s in sizes:
         s["label"] = f"d{s['depth']} w{s['width']} h{s['heads']}"
@@ -232,7 +234,7 @@ def write_report(result: dict[str, Any]) -> None:
         "",
         *notes(sizes, tiny, result["summed_rss_points"]),
     ]
-    write_results("memory_scaling", result, "\n".join(lines) + "\n", result["wall_s"], indent=2, show=False)
+    write_results("memory_scaling", saved, "\n".join(lines) + "\n", result["wall_s"], indent=2, show=False)
 
 
 def main() -> None:
