@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-torch lint clean
+.PHONY: train test test-torch lint clean gpu-wheels gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,25 @@ $(TVENV)/.installed: pyproject.toml
 
 test-torch: $(TVENV)/.installed
 	$(TVENV)/bin/python -m pytest $(ARGS)
+
+# The GPU proof (README, "On GPUs"). `make gpu-wheels`, where the package index is reachable, puts into .whl/ (ignored)
+# the wheels the GPU machine lacks; `make gpu-check` installs them into a folder of its own (no network) and runs
+# benchmarks/gpu_check.py; without CUDA it rehearses on CPU at toy sizes. ARGS="--parts multi_rank" runs one part and
+# merges it into the results. The GPU machine's image (2026-11) has torch 2.11, Lightning 2.6.6, torchmetrics 1.9.0,
+# pytest, rich, scikit-learn, matplotlib, numpy and PyYAML, and no Hydra: hydra-core and omegaconf (universal wheels)
+# and their antlr4-python3-runtime 4.9.3 (a source release only: built here into a pure-Python wheel).
+HOST_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+GPU_SITE ?= /tmp/lightning_parallel_gpu_site
+
+gpu-wheels:
+	mkdir -p .whl
+	$(HOST_PY) -m pip download --quiet --no-deps --only-binary=:all: -d .whl hydra-core==1.3.2 omegaconf==2.3.0
+	$(HOST_PY) -m pip wheel --quiet --no-deps -w .whl antlr4-python3-runtime==4.9.3
+
+gpu-check:
+	@if ls .whl/*.whl >/dev/null 2>&1; then \
+		$(HOST_PY) -m pip install --quiet --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) .whl/*.whl; fi
+	@PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(HOST_PY) benchmarks/gpu_check.py $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check lightning_parallel tests train.py config_checks.py plan.py benchmarks

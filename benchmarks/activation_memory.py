@@ -10,24 +10,18 @@ Writes results/activation_memory.{json,md}. Usage: .venv/bin/python benchmarks/a
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from harness import ROOT, machine, train_py, write_results
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from torch.distributed._tools.mem_tracker import MemTracker
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-from measure import machine, write_results  # noqa: E402
 
 from lightning_parallel.blocks import blocks_of, checkpoint_activations  # noqa: E402
 from lightning_parallel.planner import CostModel, Layout  # noqa: E402
@@ -47,12 +41,9 @@ RUN = [
 
 
 def measure(mode: str) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as run_dir:
-        overrides = [*MODEL, *DATA, *RUN, f"strategy.activation_checkpointing={mode}", f"hydra.run.dir={run_dir}"]
-        done = subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"{mode} failed: {done.stderr[-2000:]}")
-        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    summary = train_py([*MODEL, *DATA, *RUN, f"strategy.activation_checkpointing={mode}"])
+    if "error" in summary:
+        raise SystemExit(f"{mode} failed: {summary['output_tail']}")
     return {"peak_rss": summary["peak_memory_bytes"][0], "step_s": summary["step_time_s"]}
 
 
@@ -137,8 +128,7 @@ def main() -> None:
         "process. Predicted: the planner's activation bytes and compute (cpu preset)."
     )
     report = {"machine": machine(), "batch": BATCH, "model": MODEL, "data": DATA, "rows": rows}
-    write_results(ROOT / "benchmarks" / "results", "activation_memory", report, markdown(rows, header),
-                  time.perf_counter() - started)  # fmt: skip
+    write_results("activation_memory", report, markdown(rows, header), time.perf_counter() - started)
 
 
 if __name__ == "__main__":

@@ -7,14 +7,13 @@ Usage: .venv/bin/python benchmarks/drop_in_parity.py  (~2 min)
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from harness import ROOT, write_results
 
-ROOT = Path(__file__).parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "workers")]
 from distributed import run_workers  # noqa: E402
 from user_modules import build, fit  # noqa: E402
@@ -63,8 +62,6 @@ def main() -> None:
                     "max_param_diff": params,
                 }
             )
-    out = ROOT / "benchmarks" / "results"
-    (out / "drop_in_parity.json").write_text(json.dumps(rows, indent=1))
     lines = [
         "| devices | strategy | network | training_step | arguments | batch | max loss diff | max param diff |",
         "|---|---|---|---|---|---|---|---|",
@@ -74,8 +71,7 @@ def main() -> None:
             f"| {r['devices']} | {r['strategy']} | {r['net']} | {r['step']} | {r['kwargs'] or '-'} | "
             f"{r['batch_size']} | {r['max_loss_diff']:.1e} | {r['max_param_diff']:.1e} |"
         )
-    (out / "drop_in_parity.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results("drop_in_parity", rows, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

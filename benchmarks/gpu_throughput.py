@@ -11,27 +11,21 @@ CPU-time check that degree 1 is free. Usage:
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import resource
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import lightning
 import torch
-from measure import LoadMeter, machine, stats_ms, write_results
-from throughput_runs import RUNS, WORKLOADS, run_case
+from harness import arguments as harness_arguments
+from harness import counts, machine, order, run_case, stats_ms, write_case, write_results
+from throughput_runs import RUNS, WORKLOADS
+from throughput_runs import run_case as measure_case
 
 TARGET = 0.03  # a strategy at degree 1 may cost at most 3% more per step than Lightning's auto
 MFU_TARGET = 0.40  # compiled GPT-2 small on a GPU
 QUIET = 0.1  # a run is quiet when other processes kept fewer cores than this busy: on CPU the verdict prefers them
-RESULTS = Path(__file__).parent / "results"
 # On CPU every run gets the same process set-up, else runs differ by more than a strategy costs:
 # - Lightning's DDP-based strategies set torch's threads to cores / processes unless OMP_NUM_THREADS is set, while
 #   auto keeps torch's own: one thread everywhere.
@@ -41,70 +35,47 @@ RESULTS = Path(__file__).parent / "results"
 CPU_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
 
 
-def arguments() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--size", choices=list(WORKLOADS), help="workload sizes (default: gpu on cuda, else cpu)")
     parser.add_argument("--precision", choices=["32-true", "bf16-mixed"], help="default: bf16-mixed on cuda, 32-true")
     parser.add_argument("--workloads", nargs="+", help="a subset of the size's workloads (default: all)")
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), help="a subset of the runs (default: all that apply)")
     parser.add_argument("--compile-on-cpu", action="store_true", help="also run raw_compiled on CPU")
-    parser.add_argument("--steps", type=int, default=30, help="measured steps per run")
-    parser.add_argument("--warmup", type=int, default=5, help="steps per run left out (compilation included)")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every run")
-    parser.add_argument("--timeout", type=float, default=1200, help="seconds before one run is killed")
-    parser.add_argument("--case", help=argparse.SUPPRESS)  # child mode: one run (or "flops") of --workload
-    parser.add_argument("--workload", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--workload", help=argparse.SUPPRESS)  # child mode (--case): one run (or "flops") of it
+
+
+def arguments() -> argparse.Namespace:
+    """The command line, with the defaults that depend on the device (size, precision, workloads, runs) filled in."""
+    args = harness_arguments(__doc__.splitlines()[0], steps=30, warmup=5, repeats=3, timeout=1200, extra=options)
+    error = lambda message: SystemExit(f"gpu_throughput.py: error: {message}")  # noqa: E731
     args.size = args.size or ("gpu" if args.device == "cuda" else "cpu")
     args.precision = args.precision or ("bf16-mixed" if args.device == "cuda" else "32-true")
     args.workloads = args.workloads or list(WORKLOADS[args.size])
     unknown = set(args.workloads) - set(WORKLOADS[args.size])
     if unknown:
-        parser.error(
-            f"--workloads {sorted(unknown)} not in --size {args.size}: choose from {list(WORKLOADS[args.size])}"
-        )
+        known = list(WORKLOADS[args.size])
+        raise error(f"--workloads {sorted(unknown)} not in --size {args.size}: choose from {known}")
     skip_compiled = args.device == "cpu" and not args.compile_on_cpu
     args.runs = args.runs or [name for name, run in RUNS.items() if not (run.cuda_only and skip_compiled)]
     if "auto" not in args.runs:
-        parser.error("--runs needs auto: every run is reported against it")
+        raise error("--runs needs auto: every run is reported against it")
     return args
 
 
 def case(args: argparse.Namespace) -> None:
     """Child: run one case and write its JSON, or the one line it stopped with."""
     workload = WORKLOADS[args.size][args.workload]
-    try:
-        result = run_case(args.case, workload, args.device, args.precision, args.warmup + args.steps)
-    except Exception as error:  # the row says why, the other runs go on
-        result = {"error": f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"}
-    args.out.write_text(json.dumps(result))
+    total = args.warmup + args.steps
+    write_case(args.out, lambda: measure_case(args.case, workload, args.device, args.precision, total))
 
 
-def children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def launch(name: str, workload: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    """Run one case in a fresh process; add how many cores other processes kept busy meanwhile."""
-    out = tmp / f"{workload}-{name}.json"
-    command = [sys.executable, __file__, "--case", name, "--workload", workload, "--size", args.size, "--out", str(out)]
-    command += ["--device", args.device, "--precision", args.precision]
-    command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
-    env = {**os.environ, **CPU_ENV} if args.device == "cpu" else None
-    meter, before, started = LoadMeter(), children_cpu_s(), time.perf_counter()
-    meter.start()
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=False, env=env)
-        crash = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-    except subprocess.TimeoutExpired:
-        crash = f"timed out after {args.timeout:.0f} s"
-    result = json.loads(out.read_text()) if out.exists() else {"error": crash}
-    out.unlink(missing_ok=True)
-    own = children_cpu_s() - before
-    return {**result, "other_cores": meter.other_cores(own), "process_s": time.perf_counter() - started}
+def launch(name: str, workload: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Run one case in a fresh process; with how many cores other processes kept busy meanwhile."""
+    command = ["--case", name, "--workload", workload, "--size", args.size, "--device", args.device]
+    command += ["--precision", args.precision, *counts(args, ("steps", "warmup"))]
+    env = CPU_ENV if args.device == "cpu" else {"PYTHONUNBUFFERED": "1"}
+    return run_case(__file__, command, timeout=args.timeout, env=env)
 
 
 # ---- summary (per workload, per run) -----------------------------------------------------------------------------
@@ -254,14 +225,14 @@ def markdown(summary: dict[str, Any], config: dict[str, Any], args: argparse.Nam
     return "\n".join(lines)
 
 
-def measure(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, dict], list[dict]]:
+def measure(args: argparse.Namespace) -> tuple[dict[str, dict], list[dict]]:
     """FLOPs once per workload, then every run of every workload, repeats interleaved."""
-    facts = {w: launch("flops", w, args, tmp) for w in args.workloads}
+    facts = {w: launch("flops", w, args) for w in args.workloads}
     entries = []
     for rep in range(args.repeats):
         for w in args.workloads:
-            for name in args.runs[:: 1 if rep % 2 == 0 else -1]:  # linear drift cancels in pairs of repeats
-                entries.append({"workload": w, "run": name, "repeat": rep, **launch(name, w, args, tmp)})
+            for name in order(rep, args.runs):
+                entries.append({"workload": w, "run": name, "repeat": rep, **launch(name, w, args)})
                 e = entries[-1]
                 done = e.get("error") or f"CPU {statistics.median(e['cpu_s'][args.warmup :]) * 1e3:.1f} ms/step"
                 print(f"repeat {rep + 1}/{args.repeats} {w} {name}: {done}", flush=True)
@@ -274,8 +245,7 @@ def main() -> None:
         case(args)
         return
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        facts, entries = measure(args, Path(tmp))
+    facts, entries = measure(args)
     first = next(iter(facts.values()))
     load = [e["other_cores"] for e in entries]
     config = {
@@ -284,7 +254,7 @@ def main() -> None:
         "cuda": first.get("cuda"),
         "lightning": lightning.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "args": {k: v for k, v in vars(args).items() if k not in ("case", "workload", "out")},
+        "args": {k: v for k, v in vars(args).items() if k not in ("case", "workload", "out", "worker")},
         "other_cores": {"mean": statistics.mean(load), "max": max(load)},
         "target": TARGET,
         "wall_s": time.perf_counter() - started,
@@ -292,7 +262,7 @@ def main() -> None:
     summary = summarise(entries, facts, args)
     report = {"config": config, "summary": summary, "entries": entries}
     name = f"gpu_throughput_{args.device}"
-    write_results(RESULTS, name, report, markdown(summary, config, args), config["wall_s"])
+    write_results(name, report, markdown(summary, config, args), config["wall_s"])
 
 
 if __name__ == "__main__":

@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import re
 import statistics
-import tempfile
 import time
-import warnings
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -28,8 +25,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from measure import LoadMeter, machine
-from ranks import bare_trainer, launch
+from harness import LoadMeter, arguments, counts, launch, machine, order, worker_setup, write_results
+from ranks import bare_trainer
 from torch.distributed.pipelining import schedules
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -39,7 +36,6 @@ from lightning_parallel.models import GPT, SimpleCNN
 from lightning_parallel.tasks import ClassificationTask, LanguageModelTask
 
 PP = 2
-RESULTS = Path(__file__).parent / "results"
 STEP, WAIT, LOSS = "idle_check:schedule.step", "idle_check:wait", "idle_check:loss"
 # (name, model, schedule): digits is train.py's default run; the other two make compute dominate.
 CASES = [
@@ -222,10 +218,7 @@ def run_case(model: str, schedule: str, args: argparse.Namespace) -> dict[str, A
 
 
 def worker(out: Path, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    dist.init_process_group("gloo")  # torchrun's environment; the strategy reuses the group
+    rank = worker_setup()  # the strategy reuses its process group
     wait = schedules._wait_batch_p2p  # torch's wait on a batch of sends/receives: no op of its own in the trace
 
     def annotated_wait(work: list[dist.Work]) -> None:
@@ -235,11 +228,11 @@ def worker(out: Path, args: argparse.Namespace) -> None:
     schedules._wait_batch_p2p = annotated_wait
     runs, meter = [], LoadMeter()
     for repeat in range(args.repeats):
-        for name, model, schedule in CASES if repeat % 2 == 0 else CASES[::-1]:  # alternate: drift cancels
+        for name, model, schedule in order(repeat, CASES):
             runs.append(
                 {"case": name, "schedule": schedule, "repeat": repeat, **measure_case(model, schedule, meter, args)}
             )
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(runs))
+    (out / f"rank{rank}.json").write_text(json.dumps(runs))
     dist.destroy_process_group()
 
 
@@ -322,21 +315,15 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--after", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    def after(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--after", type=int, default=4, help="unprofiled steps after the profiled ones")
+
+    args = arguments(__doc__.split("\n", 1)[0], steps=4, warmup=3, repeats=3, timeout=900, extra=after)
     if args.worker:
         worker(args.worker, args)
         return
     begin = time.perf_counter()
-    counts = [f"--{k}={getattr(args, k)}" for k in ("warmup", "steps", "after", "repeats")]
-    with tempfile.TemporaryDirectory() as tmp:
-        per_rank = launch(__file__, PP, Path(tmp), counts, args.timeout)
+    per_rank = launch(__file__, PP, counts(args, ("warmup", "steps", "after", "repeats")), timeout=args.timeout)
     result = {
         "config": {
             "date": datetime.now().strftime("%Y-%m-%d %H:%M"),
@@ -347,10 +334,7 @@ def main() -> None:
         "rows": aggregate(per_rank),
         "runs_per_rank": per_rank,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "idle_check.json").write_text(json.dumps(result, indent=1))
-    (RESULTS / "idle_check.md").write_text(markdown(result))
-    print(markdown(result))
+    write_results("idle_check", result, markdown(result))
 
 
 if __name__ == "__main__":

@@ -6,30 +6,22 @@ Writes results/memory_by_strategy.{json,md}. Usage: .venv/bin/python benchmarks/
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
+from harness import ROOT, machine, train_py, write_results
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-from measure import machine  # noqa: E402
 
 from lightning_parallel.planner import CostModel, Layout  # noqa: E402
 from lightning_parallel.planner.presets import hardware_preset  # noqa: E402
 from lightning_parallel.strategies.layouts import train_overrides  # noqa: E402
 from plan import build_workload  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
 MiB = 2**20
 DATA = ["data=synthetic_tokens", "data.batch_size=8"]  # 32 tokens, vocabulary 32
 MODELS = {  # model overrides: measured, quick (--quick) and tiny (the baseline each layout is run with too)
@@ -61,18 +53,7 @@ STATE_KEYS = ("parameter_bytes_per_rank", "gradient_bytes_per_rank", "optimizer_
 
 def run_train(model: list[str], strategy: list[str], steps: int) -> dict[str, Any]:
     """One train.py run; its summary.json, or {"error": the failure's last telling line}."""
-    with tempfile.TemporaryDirectory() as tmp:
-        command = [sys.executable, "train.py", *model, *DATA, *strategy, *RUN, f"trainer.limit_train_batches={steps}",
-                   f"hydra.run.dir={tmp}/run"]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        started = time.perf_counter()
-        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-        summary_path = Path(tmp) / "run" / "summary.json"
-        if done.returncode != 0 or not summary_path.exists():
-            lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
-            telling = [line for line in lines if "Error" in line or line.startswith("error")]
-            return {"error": (telling or lines or [f"exit code {done.returncode}"])[-1]}
-        return json.loads(summary_path.read_text()) | {"run_s": time.perf_counter() - started}
+    return train_py([*model, *DATA, *strategy, *RUN, f"trainer.limit_train_batches={steps}"], timeout=400)
 
 
 def planner_estimate(model: list[str], layout: Layout) -> dict[str, Any]:
@@ -124,8 +105,6 @@ def relative(predicted: float, measured: float) -> str:
 
 
 def write_report(result: dict[str, Any]) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "memory_by_strategy.json").write_text(json.dumps(result, indent=2))
     rows = [r for r in result["layouts"] if "error" not in r]
     single = next((max(r["model_state_bytes_per_rank"]) for r in rows if r["layout"] == "single"), None)
     lines = [
@@ -200,7 +179,8 @@ def write_report(result: dict[str, Any]) -> None:
             f"{memory['activations'] / MiB:,.1f} | "
             f"{(r['added_bytes_per_rank'][fullest] - state[fullest]) / MiB:,.1f} |"
         )
-    (RESULTS / "memory_by_strategy.md").write_text("\n".join(lines + ["", *notes(rows, result["steps"])]) + "\n")
+    table = "\n".join(lines + ["", *notes(rows, result["steps"])]) + "\n"
+    write_results("memory_by_strategy", result, table, result["wall_s"], indent=2, show=False)
 
 
 def notes(rows: list[dict[str, Any]], run_steps: int) -> list[str]:
@@ -268,7 +248,6 @@ def main() -> None:
         "wall_s": time.perf_counter() - started, "layouts": rows,
     }  # fmt: skip
     write_report(result)
-    print(f"wrote {RESULTS / 'memory_by_strategy.md'} in {result['wall_s']:.0f} s")
 
 
 if __name__ == "__main__":

@@ -6,13 +6,13 @@ Writes results/memory_scaling.{json,md}. Usage: .venv/bin/python benchmarks/memo
 from __future__ import annotations
 
 import argparse
-import json
+import copy
 import time
 from typing import Any
 
 import torch
-from measure import machine
-from memory_by_strategy import DATA, MODELS, RESULTS, RUN, STATE_KEYS, Layout, MiB, mib_span, run_train, train_overrides
+from harness import machine, write_results
+from memory_by_strategy import DATA, MODELS, RUN, STATE_KEYS, Layout, MiB, mib_span, run_train, train_overrides
 
 from lightning_parallel.models import GPT
 
@@ -184,8 +184,7 @@ def notes(sizes: list[dict[str, Any]], tiny: dict[str, Any], points: dict[str, l
 
 
 def write_report(result: dict[str, Any]) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "memory_scaling.json").write_text(json.dumps(result, indent=2))
+    saved = copy.deepcopy(result)  # the JSON as measured, without the labels added here for the tables
     sizes = result["sizes"]
     for s in sizes:
         s["label"] = f"d{s['depth']} w{s['width']} h{s['heads']}"
@@ -235,12 +234,13 @@ def write_report(result: dict[str, Any]) -> None:
         "",
         *notes(sizes, tiny, result["summed_rss_points"]),
     ]
-    (RESULTS / "memory_scaling.md").write_text("\n".join(lines) + "\n")
+    write_results("memory_scaling", saved, "\n".join(lines) + "\n", result["wall_s"], indent=2, show=False)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="training steps per run")
+    parser.add_argument("--quick", action="store_true", help="the smallest GPT only (a smoke run)")
     args = parser.parse_args()
     started = time.perf_counter()
     tiny_sizes = dict(override.split("=") for override in MODELS["tiny"][1:])
@@ -251,7 +251,8 @@ def main() -> None:
     if failed:
         raise SystemExit(f"tiny-model runs failed: {failed}")
     points = {name: [(tiny_parameters, sum(run["peak_memory_bytes"]))] for name, run in tiny.items()}
-    sizes = [measure_size(depth, width, args.steps, tiny, points) for depth, width in SIZES]
+    ladder = SIZES[:1] if args.quick else SIZES
+    sizes = [measure_size(depth, width, args.steps, tiny, points) for depth, width in ladder]
     result = {
         "when": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "steps": args.steps, "data": DATA, "run": RUN,
         "overrides": {name: train_overrides(layout) for name, layout in LAYOUTS.items()},
@@ -260,7 +261,6 @@ def main() -> None:
         "summed_rss_points": points, "sizes": sizes, "wall_s": time.perf_counter() - started,
     }  # fmt: skip
     write_report(result)
-    print(f"wrote {RESULTS / 'memory_scaling.md'} in {result['wall_s']:.0f} s")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ each stage, `PipelineStage` + `Schedule1F1B` (same split, weights, batches, micr
 step by step and parameter bytes per rank. Writes results/overhead_3d.{json,md}.
 
 Reuses the workload of tensor_overhead.py and the step probe and critical path of pipeline_overhead.py; launches
-its 4 ranks with torchrun (ranks.py), one thread each. It does not use tests/.
+its 4 ranks with torchrun (harness.py), one thread each. It does not use tests/.
 Usage: .venv/bin/python benchmarks/overhead_3d.py [--steps 8 --warmup 2 --repeats 10]
 Over 300 lines: one measurement, its worker mode and its report in one script, so a result file traces to one
 command.
@@ -14,13 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
-import tempfile
 import time
-import warnings
 from collections import OrderedDict
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +24,9 @@ import lightning
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from measure import machine, overhead_arguments, worker_args, write_results
+from harness import arguments, counts, launch, machine, order, worker_setup, write_results
 from pipeline_overhead import PROBE, compare, merge_ranks, probe_schedules
-from ranks import bare_trainer, batch_loader, launch
+from ranks import bare_trainer, batch_loader
 from tensor_overhead import (
     BATCH,
     CONTEXT,
@@ -64,7 +60,6 @@ KINDS = {
 }
 TARGET = 0.05  # the strategy may cost at most 5% more per step than the hand-written loop
 QUIET = 0.1  # a run is quiet when other processes used less than this many cores during it
-RESULTS = Path(__file__).parent / "results"
 
 
 # ---- timed runs (inside each rank) ---------------------------------------------------------------
@@ -155,18 +150,14 @@ def run_strategy(state: dict, batches: list, total: int) -> dict[str, Any]:
 
 
 def worker(out: Path, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    dist.init_process_group("gloo", timeout=timedelta(minutes=5))  # env://; the strategy reuses it
-    rank, total = dist.get_rank(), args.warmup + args.steps
+    rank, total = worker_setup(), args.warmup + args.steps  # the strategy reuses its process group
     probe_schedules()  # the same schedule.step wrapper in both runs
     mesh = init_device_mesh("cpu", (PP, TP), mesh_dim_names=("pp", "tp"))  # tp innermost, as the strategy's mesh
     torch.manual_seed(0)
     state, batches, runs = build_network().state_dict(), make_batches(), []
     for rep in range(args.repeats):
         # hand-written first on even repeats, strategy first on odd ones (ABBA): drift cancels in pairs
-        for kind in list(KINDS)[:: 1 if rep % 2 == 0 else -1]:
+        for kind in order(rep, list(KINDS)):
             if kind == "handwritten":
                 result = run_handwritten(state, batches, total, mesh)
             else:
@@ -285,13 +276,12 @@ def markdown(summary: dict[str, Any], config: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    args = overhead_arguments("PipelineParallelStrategy pp2 x tp2 vs the same layout by hand", timeout=1800)
+    args = arguments(__doc__.splitlines()[0], steps=8, warmup=2, repeats=10, timeout=1800)
     if args.worker is not None:
         worker(args.worker, args)
         return
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = merge_ranks(launch(__file__, PP * TP, Path(tmp), worker_args(args), args.timeout), args.warmup)
+    runs = merge_ranks(launch(__file__, PP * TP, counts(args), timeout=args.timeout), args.warmup)
     config = {
         "steps": args.steps,
         "warmup": args.warmup,
@@ -308,7 +298,7 @@ def main() -> None:
     }  # fmt: skip
     summary = summarise(runs, args.warmup)
     report = {"config": config, "summary": summary, "runs": runs}
-    write_results(RESULTS, "overhead_3d", report, markdown(summary, config), config["wall_s"])
+    write_results("overhead_3d", report, markdown(summary, config), config["wall_s"])
 
 
 if __name__ == "__main__":

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
-import tempfile
 import time
-import warnings
 from collections import OrderedDict
 from datetime import datetime
 from pathlib import Path
@@ -26,9 +23,9 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from measure import LoadMeter, machine, stats_ms
+from harness import LoadMeter, arguments, counts, launch, machine, order, stats_ms, worker_setup, write_results
 from pipeline_overhead import BATCH, BLOCKS, LR, RegressionTask, build_network, make_batches
-from ranks import bare_trainer, batch_loader, launch
+from ranks import bare_trainer, batch_loader
 from torch import nn
 
 from lightning_parallel import PipelineParallelStrategy
@@ -38,7 +35,6 @@ PP = 2
 CONFIGS = [("gpipe", m) for m in (1, 2, 4, 8, 16)]
 CONFIGS += [("1f1b", m) for m in (2, 4, 8, 16)]  # 1F1B needs micro-batches >= stages
 CONFIGS += [("interleaved_1f1b", m) for m in (1, 2, 4, 8, 16)]  # 2 stages per rank: 4 stages of 2 blocks
-RESULTS = Path(__file__).parent / "results"
 
 
 # ---- inside each rank ------------------------------------------------------------------------------------------
@@ -79,15 +75,12 @@ def run_strategy(schedule: str, m: int, state: dict, batches: list, total: int) 
 
 
 def worker(out: Path, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    dist.init_process_group("gloo")  # torchrun's environment; the strategy reuses the group
+    rank = worker_setup()  # the strategy reuses its process group
     torch.manual_seed(0)
     state, batches, runs = build_network().state_dict(), make_batches(), []
     meter = LoadMeter()
     for rep in range(args.repeats):
-        for schedule, m in CONFIGS if rep % 2 == 0 else CONFIGS[::-1]:  # alternate the order: drift cancels
+        for schedule, m in order(rep, CONFIGS):
             dist.barrier()
             meter.start()
             run = run_strategy(schedule, m, state, batches, args.warmup + args.steps)
@@ -95,7 +88,7 @@ def worker(out: Path, args: argparse.Namespace) -> None:
             dist.all_gather_object(own, run["own_cpu_s"])
             run["other_load_cores"] = meter.other_cores(sum(own))
             runs.append({"schedule": schedule, "microbatches": m, "repeat": rep, **run})
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(runs))
+    (out / f"rank{rank}.json").write_text(json.dumps(runs))
     dist.destroy_process_group()
 
 
@@ -248,18 +241,8 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def worker_args(args: argparse.Namespace) -> list[str]:
-    return ["--steps", str(args.steps), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=1800)
-    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = arguments(__doc__.split("\n", 1)[0], steps=10, warmup=3, repeats=2, timeout=1800)
     if args.worker:
         worker(args.worker, args)
         return
@@ -270,8 +253,7 @@ def main() -> None:
     }
     costs = {size: stage_costs(*size) for size in sorted(sizes)}
     single = single_step()
-    with tempfile.TemporaryDirectory() as tmp:
-        per_rank = launch(__file__, PP, Path(tmp), worker_args(args), args.timeout)
+    per_rank = launch(__file__, PP, counts(args), timeout=args.timeout)
     result = summarise(per_rank, args, costs, single)
     result["config"] = {
         "date": datetime.now().strftime("%Y-%m-%d %H:%M"),
@@ -279,10 +261,7 @@ def main() -> None:
         "minutes": (time.perf_counter() - begin) / 60,
         **{k: getattr(args, k) for k in ("steps", "warmup", "repeats")},
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "pipeline_efficiency.json").write_text(json.dumps(result, indent=1))
-    (RESULTS / "pipeline_efficiency.md").write_text(markdown(result))
-    print(markdown(result))
+    write_results("pipeline_efficiency", result, markdown(result))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 torch.distributed.pipelining loop (same model, schedule, micro-batches, batches and optimizer), the
 single-process step for scale, and parameter bytes per rank. Writes results/pipeline_overhead.{json,md}.
 
-Launches its ranks with torchrun (ranks.py), one thread each; it does not use tests/.
+Launches its ranks with torchrun (harness.py), one thread each; it does not use tests/.
 Usage: .venv/bin/python benchmarks/pipeline_overhead.py [--steps 8 --warmup 2 --repeats 10]
 Over 300 lines: one measurement, its worker mode and its report in one script, so a result file traces to one
 command.
@@ -12,13 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
-import tempfile
 import time
-import warnings
 from collections import OrderedDict
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +23,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from measure import busy_cpu_seconds, machine, overhead_arguments, stats_ms, worker_args, write_results
-from ranks import bare_trainer, batch_loader, launch
+from harness import Usage, arguments, counts, launch, machine, order, other_cores, stats_ms, worker_setup, write_results
+from ranks import bare_trainer, batch_loader
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
@@ -40,7 +36,6 @@ CONFIGS = [("1f1b", 4), ("1f1b", 8), ("gpipe", 8)]  # (schedule, micro-batches)
 TORCH_CLASS = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 TARGET = 0.05  # the strategy may cost at most 5% more per step than the hand-written loop
 QUIET = 0.1  # a run is quiet when other processes used less than this many cores during it
-RESULTS = Path(__file__).parent / "results"
 
 
 # ---- the workload, identical in every run -------------------------------------------------------
@@ -95,21 +90,18 @@ class Probe:
 
     def __init__(self) -> None:
         self.marks: dict[str, list[float]] = {}
-        self._totals = (0.0, 0.0, 0.0)
+        self.usage = Usage()
 
     def reset(self) -> None:
         self.marks = {name: [] for name in ("start", "schedule_start", "schedule_end", "end")}
-        self._totals = (time.perf_counter(), time.process_time(), busy_cpu_seconds())
+        self.usage.start()
 
     def mark(self, name: str) -> None:
         self.marks[name].append(time.perf_counter())
 
     def result(self, module: nn.Module) -> dict[str, Any]:
         """The marks, plus wall / own CPU / machine-wide busy CPU seconds of the run (others' load shows)."""
-        now = (time.perf_counter(), time.process_time(), busy_cpu_seconds())
-        wall, own, busy = (b - a for a, b in zip(self._totals, now, strict=True))
-        totals = {"run_wall_s": wall, "run_own_cpu_s": own, "run_machine_busy_s": busy}
-        return {**self.marks, **totals, "parameter_bytes": parameter_bytes(module)}
+        return {**self.marks, **self.usage.totals(), "parameter_bytes": parameter_bytes(module)}
 
 
 PROBE = Probe()
@@ -193,11 +185,7 @@ def run_single(state: dict, batches: list, total: int) -> dict[str, Any]:
 
 
 def worker(out: Path, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    dist.init_process_group("gloo", timeout=timedelta(minutes=5))  # env://; the strategy reuses it
-    rank, total = dist.get_rank(), args.warmup + args.steps
+    rank, total = worker_setup(), args.warmup + args.steps  # the strategy reuses its process group
     probe_schedules()
     torch.manual_seed(0)
     state, batches, runs = build_network().state_dict(), make_batches(), []
@@ -208,7 +196,7 @@ def worker(out: Path, args: argparse.Namespace) -> None:
         dist.barrier()
         for schedule, m in CONFIGS:
             # hand-written first on even repeats, strategy first on odd ones (ABBA): drift cancels in pairs
-            for kind in ("handwritten", "strategy")[:: 1 if rep % 2 == 0 else -1]:
+            for kind in order(rep, ["handwritten", "strategy"]):
                 run = run_handwritten if kind == "handwritten" else run_strategy
                 runs.append({"kind": kind, "schedule": schedule, "microbatches": m, "repeat": rep})
                 runs[-1].update(run(schedule, m, state, batches, total))
@@ -237,8 +225,7 @@ def critical_path(runs: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         if i + 1 < n:
             period = max(run["start"][i + 1] - run["start"][i] for run in runs)
             out["between_s"].append(period - out["step_s"][-1])
-    own = sum(run["run_own_cpu_s"] for run in runs)
-    out["other_load_cores"] = max(0.0, runs[0]["run_machine_busy_s"] - own) / runs[0]["run_wall_s"]
+    out["other_load_cores"] = other_cores(runs)
     return out
 
 
@@ -356,13 +343,12 @@ def markdown(summary: dict[str, Any], config: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    args = overhead_arguments("PipelineParallelStrategy vs a hand-written pipelining loop", timeout=900)
+    args = arguments(__doc__.splitlines()[0], steps=8, warmup=2, repeats=10, timeout=900)
     if args.worker is not None:
         worker(args.worker, args)
         return
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = merge_ranks(launch(__file__, PP, Path(tmp), worker_args(args), args.timeout), args.warmup)
+    runs = merge_ranks(launch(__file__, PP, counts(args), timeout=args.timeout), args.warmup)
     config = {
         "steps": args.steps,
         "warmup": args.warmup,
@@ -377,7 +363,7 @@ def main() -> None:
     }
     summary = summarise(runs)
     report = {"config": config, "summary": summary, "runs": runs}
-    write_results(RESULTS, "pipeline_overhead", report, markdown(summary, config), config["wall_s"])
+    write_results("pipeline_overhead", report, markdown(summary, config), config["wall_s"])
 
 
 if __name__ == "__main__":

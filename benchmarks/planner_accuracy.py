@@ -28,15 +28,13 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import numpy
 import torch
+from harness import ROOT, machine, other_cores, steady, train_py, write_results
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from measure import busy_cpu_seconds, machine
 from omegaconf import DictConfig, OmegaConf
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_parallel.pipeline.schedules import SCHEDULE_TRAITS  # noqa: E402
@@ -51,7 +49,6 @@ from lightning_parallel.planner import (  # noqa: E402
 )
 from lightning_parallel.strategies.layouts import train_overrides  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
 TARGET = 0.25
 WARMUP_STEPS = 3  # first steps build schedules, DDP buckets and DTensor sharding caches
 QUIET = 0.5  # a run is repeated once when other processes kept more cores than this busy during it
@@ -111,33 +108,6 @@ UNIT = {SECONDS_PER_BYTE: 1e-9}  # the size of one unknown in the solve; others:
 
 def group_name(constants: tuple[str, ...]) -> str:
     return " + ".join(constants)
-
-
-# ---- steady-state step times inside train.py ------------------------------------------------------------------------
-class StepTimes(pl.Callback):
-    """Added to the measured train.py runs (+callbacks.step_times): per-step seconds, and the CPU seconds this
-    rank and the whole machine spent during fit, written to `step_times_rank<r>.json` in the run directory, so
-    the warm-up steps can be left out and runs disturbed by other processes recognised."""
-
-    def __init__(self) -> None:
-        self.seconds: list[float] = []
-        self._start = 0.0
-        self._fit: tuple[float, float, float] = (0.0, 0.0, 0.0)
-
-    def on_fit_start(self, *args: Any) -> None:
-        self._fit = (time.perf_counter(), time.process_time(), busy_cpu_seconds())
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.seconds.append(time.perf_counter() - self._start)
-
-    def on_fit_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        wall, cpu, busy = (now - then for now, then in zip(
-            (time.perf_counter(), time.process_time(), busy_cpu_seconds()), self._fit, strict=True))  # fmt: skip
-        path = Path(trainer.default_root_dir) / f"step_times_rank{trainer.global_rank}.json"
-        path.write_text(json.dumps({"seconds": self.seconds, "wall": wall, "cpu": cpu, "busy": busy}))
 
 
 # ---- configs and workloads ----------------------------------------------------------------------------------------
@@ -258,27 +228,16 @@ def run_train(key: str, layout: Layout, steps: int, batch: int | None = None) ->
 def run_once(key: str, layout: Layout, steps: int, batch: int | None) -> dict[str, Any]:
     overrides = train_overrides(layout, cuda=False)
     assert overrides is not None, layout
-    with tempfile.TemporaryDirectory() as tmp:
-        command = [
-            sys.executable, str(ROOT / "train.py"), *MODELS[key]["overrides"], *overrides,
-            *([f"data.batch_size={batch}"] if batch else []),
-            "trainer.accelerator=cpu", f"trainer.max_steps={steps}", "trainer.limit_val_batches=0", "callbacks=none",
-            "+callbacks.step_times._target_=planner_accuracy.StepTimes", "~logger",
-            "+trainer.enable_progress_bar=false", f"hydra.run.dir={tmp}/run",
-        ]  # fmt: skip
-        path = os.pathsep.join([str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
-        done = subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(f"{key} {layout.label}: train.py failed:\n{done.stderr[-3000:]}")
-        run = Path(tmp) / "run"
-        summary = json.loads((run / "summary.json").read_text())
-        ranks = [json.loads(p.read_text()) for p in sorted(run.glob("step_times_rank*.json"))]
-    steady = max(statistics.median(rank["seconds"][WARMUP_STEPS:]) for rank in ranks)
-    # machine-wide busy CPU during fit, less what this run's ranks used, per second of fit: other processes' cores
-    others = max(0.0, (ranks[0]["busy"] - sum(rank["cpu"] for rank in ranks)) / ranks[0]["wall"])
-    return {"steady_s": steady, "step_time_s": summary["step_time_s"], "others_cores": others, "attempts": 1,
-            "parameter_bytes_per_rank": summary["parameter_bytes_per_rank"]}  # fmt: skip
+    batch_size = [f"data.batch_size={batch}"] if batch else []
+    run = train_py([*MODELS[key]["overrides"], *overrides, *batch_size, "trainer.accelerator=cpu",
+                    f"trainer.max_steps={steps}", "trainer.limit_val_batches=0", "callbacks=none", "~logger",
+                    "+trainer.enable_progress_bar=false"], timeout=300, step_times=True)  # fmt: skip
+    if "error" in run:
+        raise RuntimeError(f"{key} {layout.label}: train.py failed:\n{run['output_tail']}")
+    ranks = run["step_times"]
+    slowest = max(steady(rank["seconds"], WARMUP_STEPS) for rank in ranks)
+    return {"steady_s": slowest, "step_time_s": run["step_time_s"], "others_cores": other_cores(ranks), "attempts": 1,
+            "parameter_bytes_per_rank": run["parameter_bytes_per_rank"]}  # fmt: skip
 
 
 def predict(workload: Workload, base: Hardware, layout: Layout, batch: int) -> Any:
@@ -347,8 +306,6 @@ def describe_layout(layout: Layout) -> str:
 
 
 def write_report(result: dict[str, Any]) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "planner_accuracy.json").write_text(json.dumps(result, indent=2))
     rows = result["layouts"]
     within = sum(abs(r["error"]) <= TARGET for r in rows)
     within_mean = sum(abs(r["error_vs_summary"]) <= TARGET for r in rows)
@@ -410,7 +367,7 @@ def write_report(result: dict[str, Any]) -> None:
         "batch 8 / 16; the collective overhead and the bandwidth collectives reach in training from tp=2 runs at "
         "two batch sizes each (gpt 8 and 16, cnn 16 and 32). A constant solved below 0 is fixed at 0.",
     ]
-    (RESULTS / "planner_accuracy.md").write_text("\n".join(lines) + "\n")
+    write_results("planner_accuracy", result, "\n".join(lines) + "\n", result["wall_s"], indent=2, show=False)
 
 
 def measure_round(built: dict[str, tuple], steps: int) -> dict[str, Any]:
@@ -492,7 +449,6 @@ def main() -> None:
         "layouts": rows,
     }  # fmt: skip
     write_report(result)
-    print(f"wrote {RESULTS / 'planner_accuracy.md'} in {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

@@ -1,30 +1,13 @@
-"""Running a benchmark on several ranks: launch the script's own worker mode with torchrun and collect what each
-rank wrote, and the bare Lightning Trainer a timed strategy run uses (nothing but the strategy and its callbacks) with
-its data: whole prepared batches, no collation.
+"""The bare Lightning Trainer a timed strategy run uses (nothing but the strategy and its callbacks) and its data:
+whole prepared batches, no collation. Launching ranks is harness.py's.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-
-
-def launch(script: str, nprocs: int, out: Path, args: list[str], timeout: float) -> list[Any]:
-    """Run `script --worker OUT *args` on `nprocs` local ranks; return each rank's `rank<r>.json`."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", script]
-    with open(out / "ranks.log", "w") as log:
-        done = subprocess.run(
-            [*cmd, "--worker", str(out), *args], stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False
-        )
-    if done.returncode != 0:
-        raise SystemExit(f"ranks failed (exit {done.returncode}); log:\n{(out / 'ranks.log').read_text()[-4000:]}")
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(nprocs)]
 
 
 def bare_trainer(
@@ -33,7 +16,7 @@ def bare_trainer(
     steps: int,
     callbacks: list[pl.Callback],
     *,
-    accelerator: str = "cpu",
+    accelerator: Any = "cpu",
     precision: str | None = None,
 ) -> pl.Trainer:
     """A Trainer that only trains: no logger, checkpoint, progress bar, summary or validation. All ranks read

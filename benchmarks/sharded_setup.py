@@ -6,21 +6,11 @@ Writes results/sharded_setup.{json,md}. Usage: .venv/bin/python benchmarks/shard
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import machine, train_py, write_results
 
-from measure import machine  # noqa: E402
-
-RESULTS = ROOT / "benchmarks" / "results"
 MODEL = ["model=transformer", "model.depth=8", "model.width=256", "model.heads=8", "data=synthetic_tokens"]
 RUN = ["trainer.accelerator=cpu", "trainer.max_steps=1", "trainer.limit_val_batches=0", "callbacks=none", "~logger"]
 LAYOUTS = {  # name -> (pp, tp, overrides)
@@ -43,14 +33,7 @@ QUICK = ("tp2", "pp2 x tp2")
 
 
 def run(overrides: list[str]) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        command = [sys.executable, "train.py", *MODEL, *RUN, *overrides, f"hydra.run.dir={tmp}/run"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-        summary = Path(tmp) / "run" / "summary.json"
-        if done.returncode != 0 or not summary.exists():
-            return {"error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]}
-        return json.loads(summary.read_text())
+    return train_py([*MODEL, *RUN, *overrides], timeout=900)
 
 
 def main() -> None:
@@ -75,8 +58,6 @@ def main() -> None:
         rows.append(row)
     result = {"machine": machine(), "model": MODEL, "total_parameter_bytes": total, "layouts": rows}
     result["wall_s"] = time.perf_counter() - started
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "sharded_setup.json").write_text(json.dumps(result, indent=2))
     lines = [
         "# Parameter bytes per rank during set-up",
         "",
@@ -96,8 +77,7 @@ def main() -> None:
             f"| {r['layout']} | {r['ideal'] / 2**20:.2f} | {r['setup_peak'] / 2**20:.2f} | "
             f"{r['setup_peak'] / r['ideal']:.2f} | {r['after'] / 2**20:.2f} | {r['after'] / r['ideal']:.2f} |"
         )
-    (RESULTS / "sharded_setup.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results("sharded_setup", result, "\n".join(lines) + "\n", result["wall_s"], indent=2)
 
 
 if __name__ == "__main__":

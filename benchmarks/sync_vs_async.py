@@ -11,11 +11,9 @@ command.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,19 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness import RESULTS, ROOT, machine, train_py, write_results
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from lightning_parallel.sync_methods import SYNC_METHODS
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-from measure import machine  # noqa: E402
 
 from train import build_model, build_task  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
 RUN = [
     "trainer.accelerator=cpu", "trainer.max_epochs=1000", "trainer.limit_val_batches=0", "callbacks=none",
     "~logger", "+trainer.enable_progress_bar=false", "+trainer.enable_checkpointing=false",
@@ -66,23 +61,6 @@ def snapshot_schedule(method: str, every: int) -> tuple[int, int]:
     if method == "diloco":
         return PERIODS[method] * math.ceil(every / PERIODS[method]), 0
     return every, 0
-
-
-def run_train(overrides: list[str], tmp: Path) -> dict[str, Any]:
-    """One train.py run; its summary.json and wall seconds, or {"error": the failure's last telling line}."""
-    command = [sys.executable, "train.py", *overrides, f"hydra.run.dir={tmp}/run"]
-    here = str(Path(__file__).resolve().parent)  # race.py's callbacks are imported by every rank
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}  # fmt: skip
-    started = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    run_s = time.perf_counter() - started
-    summary_path = tmp / "run" / "summary.json"
-    if done.returncode != 0 or not summary_path.exists():
-        lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
-        telling = [line for line in lines if "Error" in line or line.startswith("error")]
-        return {"error": (telling or lines or [f"exit code {done.returncode}"])[-1]}
-    return json.loads(summary_path.read_text()) | {"run_s": run_s}
 
 
 # ---- evaluation outside the run ------------------------------------------------------------------------------------
@@ -142,10 +120,10 @@ def measure(workload: str, method: str, straggler: bool, steps: int, devices: in
         overrides = [*spec["overrides"], *METHODS[method], *RUN, f"trainer.devices={devices}",
                      f"trainer.max_steps={steps}", *callbacks]  # fmt: skip
         row["overrides"] = [o for o in overrides if "snapshots.path" not in o]
-        summary = run_train(overrides, Path(tmp))
+        summary = train_py(overrides)  # race.py's callbacks: every rank imports them from this folder
         if "error" in summary:
             print(f"  {method} straggler={straggler}: FAILED: {summary['error']}", flush=True)
-            return row | summary
+            return row | {"error": summary["error"]}
         taken = torch.load(snapshots, weights_only=True)
     row["curve"] = [{"step": s["step"], "time_s": s["time_s"], "final": s["final"], **ev.score(s["state"])}
                     for s in taken]  # fmt: skip
@@ -255,8 +233,6 @@ def stem(result: dict[str, Any]) -> str:
 
 
 def write_report(result: dict[str, Any]) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{stem(result)}.json").write_text(json.dumps(result, indent=2))
     workloads = list(dict.fromkeys(r["workload"] for r in result["runs"]))
     lines = [
         "# Synchronous vs local vs asynchronous SGD",
@@ -297,7 +273,7 @@ def write_report(result: dict[str, Any]) -> None:
     ]
     for workload in workloads:
         lines += [*table(result, workload), "", f"![{workload}]({stem(result)}_{workload}.png)", ""]
-    (RESULTS / f"{stem(result)}.md").write_text("\n".join(lines))
+    write_results(stem(result), result, "\n".join(lines), result["wall_s"], indent=2, show=False)
     for workload in workloads:
         plot(result, workload)
 
@@ -324,7 +300,6 @@ def main() -> None:
               "devices": args.devices, "slowdown": SLOWDOWN, "periods": PERIODS, "run": RUN,
               "wall_s": time.perf_counter() - started, "runs": runs}  # fmt: skip
     write_report(result)
-    print(f"wrote {RESULTS / stem(result)}.md in {result['wall_s']:.0f} s")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 `parallelize_module` with the same Megatron split as GPT's `tp_plan`; same weights, batches and optimizer), the
 single-process step for scale, parameter bytes and peak RSS per rank. Writes results/tensor_overhead.{json,md}.
 
-Launches its ranks with torchrun (ranks.py), one thread each; it does not use tests/.
+Launches its ranks with torchrun (harness.py), one thread each; it does not use tests/.
 Usage: .venv/bin/python benchmarks/tensor_overhead.py [--steps 8 --warmup 2 --repeats 10]
 Over 300 lines: one measurement, its worker mode and its report in one script, so a result file traces to one
 command.
@@ -15,12 +15,8 @@ import ctypes
 import functools
 import gc
 import json
-import logging
 import statistics
-import tempfile
 import time
-import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +25,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from measure import busy_cpu_seconds, machine, overhead_arguments, stats_ms, worker_args, write_results
-from ranks import bare_trainer, batch_loader, launch
+from harness import Usage, arguments, counts, launch, machine, order, other_cores, stats_ms, worker_setup, write_results
+from ranks import bare_trainer, batch_loader
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -49,7 +45,6 @@ KINDS = {
 }
 TARGET = 0.05  # the strategy may cost at most 5% more per step than the hand-written loop
 QUIET = 0.1  # a run is quiet when other processes used less than this many cores during it
-RESULTS = Path(__file__).parent / "results"
 
 
 # ---- the workload, identical in every run -------------------------------------------------------
@@ -132,13 +127,14 @@ class Probe:
     WINDOWS = ("forward_start", "forward_end", "backward_start", "backward_end")
 
     def __init__(self) -> None:
+        self.usage = Usage()
         self.reset()
 
     def reset(self) -> None:
         names = ("start", "end", "cpu_start", "cpu_end", "loss", *self.WINDOWS)
         self.marks: dict[str, list[float]] = {name: [] for name in names}
         self._rss = reset_peak_rss()
-        self._totals = (time.perf_counter(), time.process_time(), busy_cpu_seconds())
+        self.usage.start()
 
     def mark(self, name: str) -> None:
         self.marks[name].append(time.perf_counter())
@@ -153,13 +149,9 @@ class Probe:
 
     def result(self, module: nn.Module) -> dict[str, Any]:
         """The marks, wall / own CPU / machine-wide busy CPU seconds of the run (others' load shows), memory."""
-        now = (time.perf_counter(), time.process_time(), busy_cpu_seconds())
-        wall, own, busy = (b - a for a, b in zip(self._totals, now, strict=True))
         return {
             **self.marks,
-            "run_wall_s": wall,
-            "run_own_cpu_s": own,
-            "run_machine_busy_s": busy,
+            **self.usage.totals(),
             "parameter_bytes": parameter_bytes(module),
             "rss_start_kib": self._rss,
             "peak_rss_kib": rss_kib("VmHWM") if self._rss is not None else None,
@@ -247,11 +239,7 @@ def run_single(state: dict, batches: list, total: int) -> dict[str, Any]:
 
 
 def worker(out: Path, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    dist.init_process_group("gloo", timeout=timedelta(minutes=5))  # env://; the strategy reuses it
-    rank, total = dist.get_rank(), args.warmup + args.steps
+    rank, total = worker_setup(), args.warmup + args.steps  # the strategy reuses its process group
     time_backward()
     mesh = init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
@@ -261,7 +249,7 @@ def worker(out: Path, args: argparse.Namespace) -> None:
             runs.append({"kind": "single", "repeat": rep, **run_single(state, batches, total)})
         dist.barrier()
         # forward order on even repeats, reversed on odd ones: linear drift cancels in pairs of repeats
-        for kind in list(KINDS)[:: 1 if rep % 2 == 0 else -1]:
+        for kind in order(rep, list(KINDS)):
             if kind == "handwritten":
                 result = run_handwritten(state, batches, total, mesh)
             else:
@@ -296,8 +284,7 @@ def critical_path(runs: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         )
         if i + 1 < n:
             out["period_s"].append(max(run["start"][i + 1] - run["start"][i] for run in runs))
-    own = sum(run["run_own_cpu_s"] for run in runs)
-    out["other_load_cores"] = max(0.0, runs[0]["run_machine_busy_s"] - own) / runs[0]["run_wall_s"]
+    out["other_load_cores"] = other_cores(runs)
     out["loss"] = runs[0]["loss"]
     return out
 
@@ -458,13 +445,12 @@ def markdown(summary: dict[str, Any], config: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    args = overhead_arguments(__doc__.splitlines()[0], timeout=900)
+    args = arguments(__doc__.splitlines()[0], steps=8, warmup=2, repeats=10, timeout=900)
     if args.worker is not None:
         worker(args.worker, args)
         return
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = merge_ranks(launch(__file__, TP, Path(tmp), worker_args(args), args.timeout), args.warmup)
+    runs = merge_ranks(launch(__file__, TP, counts(args), timeout=args.timeout), args.warmup)
     config = {
         "steps": args.steps,
         "warmup": args.warmup,
@@ -481,7 +467,7 @@ def main() -> None:
     }  # fmt: skip
     summary = summarise(runs)
     report = {"config": config, "summary": summary, "runs": runs}
-    write_results(RESULTS, "tensor_overhead", report, markdown(summary, config), config["wall_s"])
+    write_results("tensor_overhead", report, markdown(summary, config), config["wall_s"])
 
 
 if __name__ == "__main__":

@@ -7,17 +7,17 @@ It times only; summaries, ratios and the report are gpu_throughput.py's.
 from __future__ import annotations
 
 import contextlib
-import logging
 import resource
 import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from harness import quiet
 from ranks import bare_trainer, batch_loader
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -70,6 +70,10 @@ class Workload:
 
 GPT2_SMALL = {"vocab_size": 50304, "context_length": 1024, "depth": 12, "width": 768, "heads": 12}
 WORKLOADS = {
+    "toy": {  # gpu_check.py's rehearsal on CPU: the same runs, seconds each
+        "gpt_toy": Workload("gpt", {"vocab_size": 128, "context_length": 32, "depth": 2, "width": 64, "heads": 4}, 4),
+        "resnet18_toy": Workload("resnet", {"depth": 18, "num_classes": 10}, batch=2, image=16),
+    },
     "cpu": {
         "gpt_tiny": Workload("gpt", {"vocab_size": 256, "context_length": 64, "depth": 2, "width": 128, "heads": 4}, 8),
         "resnet50_32px": Workload("resnet", {"depth": 50, "num_classes": 10}, batch=4, image=32),
@@ -105,6 +109,10 @@ RUNS: dict[str, Run] = {
     "pipeline": Run(
         "PipelineParallelStrategy(pipeline_parallel_size=1)",
         lambda: lp.PipelineParallelStrategy(pipeline_parallel_size=1),
+    ),
+    "three_d": Run(
+        "PipelineParallelStrategy(pipeline_parallel_size=1, tensor_parallel_size=1, data_parallel_size=1): 3D at 1",
+        lambda: lp.PipelineParallelStrategy(pipeline_parallel_size=1, tensor_parallel_size=1, data_parallel_size=1),
     ),
     "local_sgd": Run("LocalSGDStrategy(period=4)", lambda: lp.LocalSGDStrategy(period=4)),
     "diloco": Run("DiLoCoStrategy(period=10), as conf/strategy/diloco.yaml", lambda: lp.DiLoCoStrategy(period=10)),
@@ -183,11 +191,13 @@ def loss_of(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 class MinimalTask(pl.LightningModule):
-    """The network at `model`, cross-entropy, AdamW with torch's defaults: what the raw loop does, nothing more."""
+    """The network at `model`, cross-entropy, AdamW with torch's defaults (or `optimizer(parameters)`): what the raw
+    loop does, nothing more."""
 
-    def __init__(self, network: nn.Module) -> None:
+    def __init__(self, network: nn.Module, optimizer: Callable[..., torch.optim.Optimizer] | None = None) -> None:
         super().__init__()
         self.model = network
+        self.make_optimizer = optimizer or partial(torch.optim.AdamW, lr=LR)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
@@ -197,7 +207,7 @@ class MinimalTask(pl.LightningModule):
         return loss_of(self(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=LR)
+        return self.make_optimizer(self.parameters())
 
 
 def autocast(device: str, precision: str) -> contextlib.AbstractContextManager:
@@ -229,14 +239,6 @@ def train_lightning(run: Run, workload: Workload, device: str, precision: str, t
     trainer = bare_trainer(run.strategy(), 1, total, [ClockCallback(clock)], accelerator=device, precision=precision)
     loader = batch_loader(workload.batches(), total)
     trainer.fit(task, train_dataloaders=loader)
-
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
-    yield
 
 
 def peak_memory_mib(device: str) -> float:
@@ -278,8 +280,8 @@ def run_case(name: str, workload: Workload, device: str, precision: str, total: 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)  # the same initial weights in every run
-    with quiet():
-        (train_raw if run.strategy is None else train_lightning)(run, workload, device, precision, total, clock)
+    quiet()
+    (train_raw if run.strategy is None else train_lightning)(run, workload, device, precision, total, clock)
     if len(clock.wall_s) != total:
         raise RuntimeError(f"{name} timed {len(clock.wall_s)} steps, expected {total}")
     return {
