@@ -14,12 +14,12 @@ from torch.utils.data import DataLoader, TensorDataset
 VOCAB, SEQ, SAMPLES, CLASSES, IMAGE = 64, 16, 64, 3, 8
 
 
-def gpt2(tied: bool = True) -> torch.nn.Module:
+def gpt2(tied: bool = True, layers: int = 4) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     # dropout off: a parity test compares two runs' arithmetic, and dropout masks differ between them
     config = GPT2Config(
-        n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0,
+        n_layer=layers, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied,
     )  # fmt: skip
     return GPT2LMHeadModel(config)
@@ -47,11 +47,11 @@ def vit() -> torch.nn.Module:
     return ViTForImageClassification(config)
 
 
-def bert() -> torch.nn.Module:
+def bert(layers: int = 4) -> torch.nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
     config = BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=64,
         max_position_embeddings=SEQ, num_labels=CLASSES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )  # fmt: skip
     return BertForSequenceClassification(config)
@@ -61,9 +61,9 @@ class HFLM(pl.LightningModule):
     """A causal LM as its users write it: labels are the very input tensor (the model shifts them) and the loss comes
     back inside the model's output. `tied=False` unties the embedding from the head; `adamw` trains with AdamW."""
 
-    def __init__(self, lr: float = 0.1, tied: bool = True, adamw: bool = False) -> None:
+    def __init__(self, lr: float = 0.1, tied: bool = True, adamw: bool = False, layers: int = 4) -> None:
         super().__init__()
-        self.model = gpt2(tied)
+        self.model = gpt2(tied, layers)
         self.lr, self.adamw = lr, adamw
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -108,9 +108,9 @@ def optimizer(parameters: Any, lr: float, adamw: bool) -> torch.optim.Optimizer:
 class HFClassifier(pl.LightningModule):
     """An encoder classifier: token ids, an attention mask and labels by keyword, a tuple batch."""
 
-    def __init__(self, lr: float = 0.1, adamw: bool = False) -> None:
+    def __init__(self, lr: float = 0.1, adamw: bool = False, layers: int = 4) -> None:
         super().__init__()
-        self.model = bert()
+        self.model = bert(layers)
         self.lr, self.adamw = lr, adamw
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -187,9 +187,9 @@ def image_loader(*, batch_size: int = 8, seed: int = 0) -> DataLoader:
 MODULES: dict[str, Any] = {
     "gpt2": HFLM,
     "gpt2_untied": lambda: HFLM(tied=False),
-    "gpt2_adamw": lambda: HFLM(lr=1e-3, adamw=True),
+    "gpt2_adamw": lambda: HFLM(lr=1e-3, adamw=True, layers=2),
     "bert": HFClassifier,
-    "bert_adamw": lambda: HFClassifier(lr=1e-3, adamw=True),
+    "bert_adamw": lambda: HFClassifier(lr=1e-3, adamw=True, layers=2),
     "llama": HFLlama,
     "vit": HFImageClassifier,
 }

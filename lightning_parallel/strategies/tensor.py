@@ -36,7 +36,9 @@ from lightning_parallel.tensor.plans import (
     check_plan,
     expand_plan,
     keep_gradients_sharded,
+    retie,
     sharding_first,
+    tied_groups,
 )
 from lightning_parallel.tensor.structure import structural_plan
 from lightning_parallel.weights import materialize, materialize_in_parts
@@ -187,7 +189,9 @@ class TensorParallelStrategy(MeshStrategy):
             # At tp=1 a plan would only wrap every layer in a one-rank DTensor, whose eager dispatch costs 3-4x a
             # step on a GPU: the network stays plain, as on one device.
             applied = sharding_first(plan) if self.dims.tp > 1 else []
+            tied = tied_groups(network)  # a tied embedding and head, each sharded alike (`check_plan`), made one again
             self.setup_peak_parameter_bytes = materialize_in_parts(network, self.root_device, applied, shard)
+            retie(network, tied)
         return source, plan, replicated_why
 
     def _shard_over_replicas(self, module: pl.LightningModule, network: nn.Module) -> None:

@@ -114,11 +114,47 @@ def check_plan(
                     f"tensor plan: {name} ({type(module).__name__}, {style}) has {what} {size}, not divisible by "
                     f"tensor_parallel_size {tp}. HINT: use tensor_parallel_size in {fits}, or map {name} to 'replicate'"
                 )
+    _check_ties(model, plan)
     if sequence_parallel and not any(STYLE_TRAITS[style].sequence_only for style in plan.values()):
         raise ValueError(
             f"sequence_parallel=True, but the plan for {type(model).__name__} has no 'sequence_parallel' entries. "
             "HINT: set sequence_parallel=False, or map the norms between blocks to 'sequence_parallel'"
         )
+
+
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """The qualified names of each parameter the model holds under more than one name (a tied embedding and head)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def retie(model: nn.Module, groups: list[list[str]]) -> None:
+    """After sharding, make each group's names one parameter again: each planned module got its own copy."""
+    for first, *others in groups:
+        param = model.get_parameter(first)
+        for name in others:
+            owner, _, key = name.rpartition(".")
+            setattr(model.get_submodule(owner), key, param)
+
+
+def _check_ties(model: nn.Module, plan: Mapping[str, str]) -> None:
+    """A tied parameter is split the same way under each of its names, or stays whole under all of them."""
+    for group in tied_groups(model):
+        splits: dict[str, int | None] = {}
+        for name in group:
+            owner, _, key = name.rpartition(".")
+            style = plan.get(owner)
+            traits = STYLE_TRAITS[style] if style is not None else None
+            splits[name] = traits.sharded_parameters(model.get_submodule(owner)).get(key) if traits else None
+        if len(set(splits.values())) > 1:
+            found = ", ".join(f"{n} {'whole' if d is None else f'split on dim {d}'}" for n, d in splits.items())
+            raise ValueError(
+                f"tensor plan: {' and '.join(group)} are one tied parameter, but the plan splits it differently "
+                f"({found}). HINT: map their modules alike (an embedding 'vocab_parallel' with its head "
+                "'colwise_gather'), or both to 'replicate'"
+            )
 
 
 def _parent(modules: dict[str, nn.Module], name: str) -> nn.Module | None:

@@ -255,4 +255,7 @@ TRANSFORMERS_REFUSED: dict[str, str] = {
     "mla_kv_a_proj": "it splits multi-head latent attention's compressed key/value projection",
     "moe_tp_experts": "it shards mixture-of-experts experts",
     "moe_identity_expert": "it scales mixture-of-experts identity experts",
+    # expert parallelism's styles, in the same registry once transformers imports its expert_parallel module
+    "grouped_gemm": "it shards mixture-of-experts weights by expert (expert parallelism)",
+    "ep_dispatch_experts": "it dispatches tokens to experts on other ranks (expert parallelism)",
 }
