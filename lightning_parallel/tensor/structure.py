@@ -44,9 +44,9 @@ def structural_plan(model: nn.Module, *, tensor_parallel_size: int) -> AutoPlan 
     other planners are asked). Every other module with parameters stays whole, with the reason."""
     modules = dict(model.named_modules())
     attention = _attention(modules, tensor_parallel_size)
-    if not any(style == "local_heads" or style.endswith("colwise") for style in attention.styles.values()):
+    if not attention.styles:
         return None
-    taken = {name for name in attention.styles} | set(attention.why)
+    taken = set(attention.styles) | set(attention.why)
     mlp = _mlp(modules, tensor_parallel_size, taken)
     styles = {**attention.styles, **mlp.styles}
     why = {**attention.why, **mlp.why}
@@ -75,7 +75,7 @@ def _attention(modules: dict[str, nn.Module], tp: int) -> _Found:
     for name, module in modules.items():
         children = dict(module.named_children())
         separate = [list(names) for names in QKV_NAMES if all(_projection(children.get(n)) for n in names)]
-        fused = [[name] for name in FUSED_QKV_NAMES if _projection(children.get(name))]
+        fused = [[n] for n in FUSED_QKV_NAMES if _projection(children.get(n))]
         if not separate + fused:
             continue
         inputs = (separate + fused)[0]
