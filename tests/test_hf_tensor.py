@@ -129,7 +129,7 @@ def test_the_structural_plan_of_gpt2_splits_whole_heads_of_its_fused_attention()
     assert {"transformer.wte", "lm_head", "transformer.h.0.ln_1"} <= replicated.keys()
 
 
-def test_the_structural_plans_of_bert_and_vit_and_our_gpt() -> None:
+def test_the_structural_plans_of_bert_vit_llama_and_our_gpt() -> None:
     _, plan, replicated = plan_of(bert())
     assert layer0(plan, "bert.encoder.layer.0.") == {
         "attention.self": "local_heads", "attention.self.query": "colwise", "attention.self.key": "colwise",
@@ -141,6 +141,11 @@ def test_the_structural_plans_of_bert_and_vit_and_our_gpt() -> None:
     assert source == "structure" and layer0(plan, "vit.layers.0.") == {
         "attention": "local_heads", "attention.q_proj": "colwise", "attention.k_proj": "colwise",
         "attention.v_proj": "colwise", "attention.o_proj": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise",
+    }  # fmt: skip
+    source, plan, _ = plan_of(llama(), plan="auto")  # its own plan set aside: grouped-query attention, SwiGLU
+    assert source == "structure" and layer0(plan, "model.layers.0.") == {
+        "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+        "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
     }  # fmt: skip
     ours = GPT(vocab_size=16, context_length=8, depth=2, width=16, heads=2)
     found = structural_plan(ours, tensor_parallel_size=2)
