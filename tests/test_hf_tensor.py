@@ -8,6 +8,7 @@ dp2 x pp2 x tp2 and resumed from a tensor-parallel checkpoint.
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,7 @@ def config(name: str, devices: int, **extra: Any) -> dict[str, Any]:
     return run
 
 
+@functools.cache  # one device's run, shared by the layouts compared with it (never modified)
 def reference(name: str, batch_size: int = 8) -> dict[str, Any]:
     clip = {"gradient_clip_val": CLIP} if name == "llama" else {}
     return fit(name, strategy="auto", devices=1, steps=STEPS, validate=False, batch_size=batch_size, **clip)
