@@ -237,7 +237,9 @@ def _is_dtensor(param: torch.Tensor) -> bool:
     return isinstance(param, DTensor)
 
 
-def exported_logits_gap(checkpoint: str, state: dict[str, torch.Tensor], out_dir: str, tied: bool = True) -> float:
+def exported_logits_gap(
+    checkpoint: str, state: dict[str, torch.Tensor], out_dir: str, tied: bool = True, layers: int = 4
+) -> float:
     """`export CHECKPOINT OUT_DIR --hf`, then `AutoModelForCausalLM.from_pretrained(OUT_DIR)`: the largest gap between
     its logits and those of GPT-2 holding `state` (a LightningModule's parameters, `model.` names: the trained run)."""
     from transformers import AutoModelForCausalLM
@@ -245,7 +247,7 @@ def exported_logits_gap(checkpoint: str, state: dict[str, torch.Tensor], out_dir
     from lightning_parallel.checkpoint import main
 
     assert main(["export", checkpoint, out_dir, "--hf"]) == 0
-    trained = gpt2(tied)
+    trained = gpt2(tied, layers)
     trained.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
     loaded = AutoModelForCausalLM.from_pretrained(out_dir)
     ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(2))

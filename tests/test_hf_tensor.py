@@ -17,12 +17,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import fake_world, needs_torch_2_13
+from distributed import replica_states, run_workers
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hf_modules import HFLlama, bert, fit, gpt2, llama, token_loader, vit  # noqa: E402
+from hf_modules import HFLlama, bert, exported_logits_gap, fit, gpt2, llama, token_loader, vit  # noqa: E402
 
 from lightning_parallel import TensorParallelStrategy  # noqa: E402
 from lightning_parallel.models import GPT  # noqa: E402
@@ -229,21 +230,22 @@ def reference(name: str, batch_size: int = 8) -> dict[str, Any]:
     return fit(name, strategy="auto", devices=1, steps=STEPS, validate=False, batch_size=batch_size, **clip)
 
 
-def gaps(results: list[dict[str, Any]], ref: dict[str, Any], first_step: int = 0) -> tuple[float, float]:
-    """(largest loss gap on any rank, largest gap of the weights every rank holds) against one device."""
-    loss = max(abs(a - b) for r in results for a, b in zip(r["losses"], ref["losses"][first_step:], strict=True))
-    merged = {name: value for r in results for name, value in r["state"].items()}
-    assert merged.keys() == ref["state"].keys()
-    weight = max(float((merged[name] - value).abs().max()) for name, value in ref["state"].items())
+def gaps(
+    results: list[dict[str, Any]], ref: dict[str, Any], first_step: int = 0, replicas: int = 1
+) -> tuple[float, float]:
+    """(largest loss gap on any rank, largest gap of any replica's weights) against one device. With data-parallel
+    replicas each rank's loss is its replica's share of the batch: they are averaged first."""
+    losses = torch.tensor([r["losses"] for r in results]).reshape(replicas, -1, len(results[0]["losses"])).mean(0)
+    loss = float((losses - torch.tensor(ref["losses"][first_step:])).abs().max())
+    weight = 0.0
+    for state in replica_states(results, replicas):  # one merged dict would let the last replica hide the others
+        assert state.keys() == ref["state"].keys()
+        weight = max(weight, *(float((state[name] - value).abs().max()) for name, value in ref["state"].items()))
     return loss, weight
 
 
 def check(name: str, results: list[dict[str, Any]], ref: dict[str, Any], layout: str, replicas: int = 1) -> None:
-    """Losses (averaged over data-parallel replicas, which see halves of the batch) and weights against one device."""
-    if replicas > 1:
-        per_replica = torch.tensor([r["losses"] for r in results]).reshape(replicas, -1, STEPS).mean(0)
-        results = [{**r, "losses": per_replica[0].tolist()} for r in results]
-    loss, weight = gaps(results, ref)
+    loss, weight = gaps(results, ref, replicas=replicas)
     print(f"{name} {layout}: loss gap {loss:.1e}, weight gap {weight:.1e}")
     assert loss < TOL and weight < TOL, (name, layout, loss, weight)
     assert all(r["sharded"] > 0 for r in results)
@@ -252,8 +254,6 @@ def check(name: str, results: list[dict[str, Any]], ref: dict[str, Any], layout:
 
 @pytest.mark.slow
 def test_transformers_models_at_tp2_match_one_device_and_resume(tmp_path: Path) -> None:
-    from distributed import run_workers
-
     saved = tmp_path / "saved"
     configs = [config(name, 2) for name in MODELS]
     # GPT-2, then resumed from its tensor-parallel checkpoint at step 2: an epoch's end at 32 rows a batch (Lightning
@@ -278,18 +278,21 @@ def test_transformers_models_at_tp2_match_one_device_and_resume(tmp_path: Path) 
 @needs_torch_2_13
 @pytest.mark.slow
 def test_transformers_models_at_pp2_by_tp2_match_one_device(tmp_path: Path) -> None:
-    from distributed import run_workers
-
-    ranks = run_workers("hf_pipeline", 4, [config(name, 4) for name in MODELS], tmp_path)
+    configs = [config(name, 4) for name in MODELS]
+    configs[1].update(save_every=STEPS, save_dir=str(tmp_path / "saved"))  # GPT-2: exported with --hf below
+    ranks = run_workers("hf_pipeline", 4, configs, tmp_path / "run")
     for index, name in enumerate(MODELS):
         check(name, [rank[index] for rank in ranks], reference(name), "pp2 x tp2")
+    # interleaved q | k | v shards saved as contiguous ones, gathered whole by the export
+    ckpt, out = str(tmp_path / "saved" / f"step={STEPS}.ckpt"), str(tmp_path / "hf")
+    gap = exported_logits_gap(ckpt, reference("gpt2_adamw")["state"], out, layers=2)
+    print(f"gpt2 pp2 x tp2 exported with --hf: logits gap {gap:.1e}")
+    assert gap < TOL
 
 
 @needs_torch_2_13
 @pytest.mark.slow
 def test_gpt2_at_dp2_by_pp2_by_tp2_matches_one_device(tmp_path: Path) -> None:
-    from distributed import run_workers
-
     # 4 rows per replica: the global batch of 8 that one device trains on
     ranks = run_workers("hf_pipeline", 8, [config("gpt2_adamw", 8, batch_size=4)], tmp_path)
     check("gpt2_adamw", [rank[0] for rank in ranks], reference("gpt2_adamw"), "dp2 x pp2 x tp2", replicas=2)
