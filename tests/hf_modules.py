@@ -11,25 +11,47 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-VOCAB, SEQ, SAMPLES, CLASSES = 64, 16, 64, 3
+VOCAB, SEQ, SAMPLES, CLASSES, IMAGE = 64, 16, 64, 3, 8
 
 
-def gpt2(tied: bool = True) -> torch.nn.Module:
+def gpt2(tied: bool = True, layers: int = 4) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     # dropout off: a parity test compares two runs' arithmetic, and dropout masks differ between them
     config = GPT2Config(
-        n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0,
+        n_layer=layers, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied,
     )  # fmt: skip
     return GPT2LMHeadModel(config)
 
 
-def bert() -> torch.nn.Module:
+def llama() -> torch.nn.Module:
+    """Llama as transformers ships it, with its own tensor plan: grouped-query attention (4 query heads sharing 2 key /
+    value heads), RoPE, RMSNorm, SwiGLU, untied head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def vit() -> torch.nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=IMAGE,
+        patch_size=4, num_channels=3, num_labels=CLASSES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return ViTForImageClassification(config)
+
+
+def bert(layers: int = 4) -> torch.nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
     config = BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=64,
         max_position_embeddings=SEQ, num_labels=CLASSES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )  # fmt: skip
     return BertForSequenceClassification(config)
@@ -37,12 +59,12 @@ def bert() -> torch.nn.Module:
 
 class HFLM(pl.LightningModule):
     """A causal LM as its users write it: labels are the very input tensor (the model shifts them) and the loss comes
-    back inside the model's output. `tied=False` unties the embedding from the head."""
+    back inside the model's output. `tied=False` unties the embedding from the head; `adamw` trains with AdamW."""
 
-    def __init__(self, lr: float = 0.1, tied: bool = True) -> None:
+    def __init__(self, lr: float = 0.1, tied: bool = True, adamw: bool = False, layers: int = 4) -> None:
         super().__init__()
-        self.model = gpt2(tied)
-        self.lr = lr
+        self.model = gpt2(tied, layers)
+        self.lr, self.adamw = lr, adamw
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         ids = batch["input_ids"]
@@ -56,16 +78,40 @@ class HFLM(pl.LightningModule):
         self.log("val_logit_mean", out.logits.mean())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return optimizer(self.parameters(), self.lr, self.adamw)
+
+
+class HFLlama(HFLM):
+    """Llama trained as its users train it: AdamW (foreach, as on a GPU), a cosine schedule stepped every batch and
+    gradient clipping (the Trainer's `gradient_clip_val`)."""
+
+    def __init__(self, lr: float = 1e-2) -> None:
+        pl.LightningModule.__init__(self)
+        self.model = llama()
+        self.lr = lr
+
+    def configure_optimizers(self) -> Any:
+        adamw = optimizer(self.parameters(), self.lr, adamw=True)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(adamw, T_max=8)
+        return {"optimizer": adamw, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def optimizer(parameters: Any, lr: float, adamw: bool) -> torch.optim.Optimizer:
+    """SGD, or AdamW with foreach=True (CUDA's default, which takes plain tensors or DTensors per call, never both).
+    eps=1e-6: a key projection's bias has an exactly zero gradient (softmax ignores a per-row constant), and AdamW
+    with its default 1e-8 turns float noise of ~1e-9 there into steps of ~lr/10 that differ between summation orders."""
+    if adamw:
+        return torch.optim.AdamW(parameters, lr=lr, eps=1e-6, foreach=True)
+    return torch.optim.SGD(parameters, lr=lr)
 
 
 class HFClassifier(pl.LightningModule):
     """An encoder classifier: token ids, an attention mask and labels by keyword, a tuple batch."""
 
-    def __init__(self, lr: float = 0.1) -> None:
+    def __init__(self, lr: float = 0.1, adamw: bool = False, layers: int = 4) -> None:
         super().__init__()
-        self.model = bert()
-        self.lr = lr
+        self.model = bert(layers)
+        self.lr, self.adamw = lr, adamw
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         ids, mask, labels = batch
@@ -80,7 +126,29 @@ class HFClassifier(pl.LightningModule):
         self.log("val_acc", (out.logits.argmax(-1) == labels).float().mean())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return optimizer(self.parameters(), self.lr, self.adamw)
+
+
+class HFImageClassifier(pl.LightningModule):
+    """A vision transformer classifier: pixel values and labels by keyword, AdamW."""
+
+    def __init__(self, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.model = vit()
+        self.lr = lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        out = self.model(pixel_values=images, labels=labels)
+        self.log("train_loss", out.loss)
+        return out.loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        images, labels = batch
+        self.log("val_loss", self.model(pixel_values=images, labels=labels).loss)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return optimizer(self.parameters(), self.lr, adamw=True)
 
 
 class DictDataset(torch.utils.data.Dataset):
@@ -109,13 +177,24 @@ def classification_loader(*, batch_size: int = 8, seed: int = 0) -> DataLoader:
     return DataLoader(TensorDataset(ids, mask, labels), batch_size=batch_size, shuffle=False)
 
 
+def image_loader(*, batch_size: int = 8, seed: int = 0) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.randn(SAMPLES, 3, IMAGE, IMAGE, generator=generator)
+    labels = torch.randint(0, CLASSES, (SAMPLES,), generator=generator)
+    return DataLoader(TensorDataset(images, labels), batch_size=batch_size, shuffle=False)
+
+
 MODULES: dict[str, Any] = {
     "gpt2": HFLM,
     "gpt2_untied": lambda: HFLM(tied=False),
+    "gpt2_adamw": lambda: HFLM(lr=1e-3, adamw=True, layers=2),
     "bert": HFClassifier,
+    "bert_adamw": lambda: HFClassifier(lr=1e-3, adamw=True, layers=2),
+    "llama": HFLlama,
+    "vit": HFImageClassifier,
 }
-LOADERS: dict[str, Any] = {name: token_loader for name in MODULES if name.startswith("gpt2")}
-LOADERS["bert"] = classification_loader
+LOADERS: dict[str, Any] = {name: token_loader for name in MODULES if name.startswith(("gpt2", "llama"))}
+LOADERS.update({"bert": classification_loader, "bert_adamw": classification_loader, "vit": image_loader})
 
 
 def build(name: str) -> pl.LightningModule:
@@ -134,9 +213,11 @@ def fit(
     save_dir: str | None = None,
     ckpt_path: str | None = None,
     validate: bool = True,
+    **trainer_kwargs: Any,
 ) -> dict[str, Any]:
     """Fit `MODULES[name]` through `user_modules.fit` (the user's defaults: use_distributed_sampler=True, a sanity
-    check), with `validate` on 2 batches every 2 steps; also how many parameters are DTensors (a plan applied)."""
+    check), with `validate` on 2 batches every 2 steps; also how many parameters are DTensors (a plan applied) and
+    each parameter's local shape; `trainer_kwargs` (e.g. gradient_clip_val) go to the Trainer."""
     from user_modules import fit as fit_module
 
     module, loader = build(name), LOADERS[name]
@@ -144,8 +225,10 @@ def fit(
         module, strategy=strategy, devices=devices, steps=steps, shuffle=False, save_every=save_every,
         save_dir=save_dir, ckpt_path=ckpt_path, data=loader(batch_size=batch_size),
         val_data=loader(batch_size=batch_size, seed=1), val_check_interval=2, limit_val_batches=2 if validate else 0,
+        **trainer_kwargs,
     )  # fmt: skip
-    return {**result, "sharded": sum(_is_dtensor(p) for p in module.parameters())}
+    shapes = {name: tuple(getattr(p, "_local_tensor", p).shape) for name, p in module.model.named_parameters()}
+    return {**result, "sharded": sum(_is_dtensor(p) for p in module.parameters()), "shapes": shapes}
 
 
 def _is_dtensor(param: torch.Tensor) -> bool:
@@ -154,7 +237,9 @@ def _is_dtensor(param: torch.Tensor) -> bool:
     return isinstance(param, DTensor)
 
 
-def exported_logits_gap(checkpoint: str, state: dict[str, torch.Tensor], out_dir: str, tied: bool = True) -> float:
+def exported_logits_gap(
+    checkpoint: str, state: dict[str, torch.Tensor], out_dir: str, tied: bool = True, layers: int = 4
+) -> float:
     """`export CHECKPOINT OUT_DIR --hf`, then `AutoModelForCausalLM.from_pretrained(OUT_DIR)`: the largest gap between
     its logits and those of GPT-2 holding `state` (a LightningModule's parameters, `model.` names: the trained run)."""
     from transformers import AutoModelForCausalLM
@@ -162,7 +247,7 @@ def exported_logits_gap(checkpoint: str, state: dict[str, torch.Tensor], out_dir
     from lightning_parallel.checkpoint import main
 
     assert main(["export", checkpoint, out_dir, "--hf"]) == 0
-    trained = gpt2(tied)
+    trained = gpt2(tied, layers)
     trained.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
     loaded = AutoModelForCausalLM.from_pretrained(out_dir)
     ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(2))

@@ -2,8 +2,7 @@
 inside forward and returning a `ModelOutput`. In one process: keyword inputs reach the stages that read them and
 chained stages equal the eager model (the same tensor passed twice included); what cannot be traced still stops with
 one line naming the source line. On 2 and 4 processes: every schedule family and a resume on more stages match one
-device (losses and final weights within 1e-5).
-Over 300 lines: every Hugging Face case (pipeline, tensor, 3D, refusals) shares the same modules and checks."""
+device (losses and final weights within 1e-5). Tensor parallelism and 3D of the same models: test_hf_tensor.py."""
 
 from __future__ import annotations
 
@@ -287,88 +286,6 @@ def test_gpt2_checkpoint_saved_on_two_stages_resumes_on_four_like_an_uninterrupt
     tail = {**straight, "losses": straight["losses"][2:]}
     worst = max(assert_matches(result, tail, results, steps=STEPS - 2) for result in results)
     print(f"gpt2 resumed on 4 stages: max abs diff {worst:.2e}")
-
-
-# BERT's own tp_plan is empty: the layers to shard are named, Megatron-style (q/k/v and the MLP's first layer by
-# output features, each pair's second layer by input features)
-BERT_PLAN = {
-    "bert.encoder.layer.*.attention.self.query": "colwise",
-    "bert.encoder.layer.*.attention.self.key": "colwise",
-    "bert.encoder.layer.*.attention.self.value": "colwise",
-    "bert.encoder.layer.*.attention.output.dense": "rowwise",
-    "bert.encoder.layer.*.intermediate.dense": "colwise",
-    "bert.encoder.layer.*.output.dense": "rowwise",
-}
-
-
-# GPT-2's MLP pairs, transformers' Conv1D (`tensor/transposed_linear.py`). Not its attention: one fused q|k|v
-# projection, split by the global width in forward, which a column shard would cut across q, k and v
-GPT2_PLAN = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
-
-
-@pytest.mark.slow
-def test_hugging_face_models_under_the_tensor_strategy_match_one_device(tmp_path: Path) -> None:
-    """Tensor parallelism at tp=2 on unmodified Hugging Face models (keyword calls, loss inside), given a plan."""
-    from distributed import run_workers
-    from hf_modules import fit
-
-    plans = {"bert": BERT_PLAN, "gpt2": GPT2_PLAN}
-    configs = [
-        {"name": name, "devices": 2, "steps": STEPS, "kind": "tensor", "validate": True,
-         "strategy": {"tensor_parallel_size": 2, "plan": plan}}
-        for name, plan in plans.items()
-    ]  # fmt: skip
-    ranks = run_workers("hf_pipeline", 2, configs, tmp_path)
-    for index, model in enumerate(plans):
-        ref = fit(model, strategy="auto", devices=1, steps=STEPS)
-        for rank in ranks:
-            result = rank[index]
-            gap = max(abs(a - b) for a, b in zip(result["losses"], ref["losses"], strict=True))
-            assert len(result["losses"]) == STEPS and gap < TOL, (model, result["losses"], ref["losses"])
-            assert result["state"].keys() == ref["state"].keys()
-            for name, value in ref["state"].items():
-                torch.testing.assert_close(result["state"][name], value, rtol=0, atol=TOL, msg=f"{model} {name}")
-            assert abs(result["metrics"]["val_loss"] - ref["metrics"]["val_loss"]) < TOL
-            assert result["sharded"] > 0, model  # the plan was applied: DTensor parameters
-
-
-@needs_torch_2_13
-@pytest.mark.slow
-def test_hugging_face_models_at_pp2_by_tp2_match_one_device(tmp_path: Path) -> None:
-    """3D for unmodified Hugging Face models: keyword calls and the loss inside, split by tracing, each traced stage
-    computing on its DTensor shards (GPT-2's fused attention included: the stage keeps global shapes)."""
-    from distributed import run_workers
-    from hf_modules import fit
-
-    gpt2_plan = {**GPT2_PLAN, "transformer.h.*.attn.c_attn": "colwise", "transformer.h.*.attn.c_proj": "rowwise"}
-    plans = {"bert": BERT_PLAN, "gpt2": gpt2_plan}
-    configs = [
-        {"name": name, "devices": 4, "steps": STEPS, "validate": False,
-         "strategy": {"tensor_parallel_size": 2, "plan": plan, "schedule": "1f1b"}}
-        for name, plan in plans.items()
-    ]  # fmt: skip
-    configs[1].update(save_every=STEPS, save_dir=str(tmp_path / "saved"))  # gpt2: the --hf export below
-    ranks = run_workers("hf_pipeline", 4, configs, tmp_path)
-    refs = {model: fit(model, strategy="auto", devices=1, steps=STEPS) for model in plans}
-    for index, model in enumerate(plans):
-        ref = refs[model]
-        results = [rank[index] for rank in ranks]
-        worst = max(assert_matches(result, ref, results) for result in results)
-        assert all(result["sharded"] > 0 for result in results), model
-        print(f"{model} pp2 x tp2: max abs diff {worst:.2e}")
-    assert_exports_trained_logits(tmp_path / "saved", refs["gpt2"], "pp2 x tp2")  # tp shards gathered whole
-
-
-def test_an_empty_model_plan_is_refused_in_one_line() -> None:
-    """A Hugging Face model's `tp_plan` is an empty dict for GPT-2 and BERT: sharding nothing at tp=2 would run the
-    whole network on every rank, so the plan is asked for instead."""
-    from hf_modules import gpt2
-
-    from lightning_parallel.strategies.tensor import resolve_plan
-
-    with pytest.raises(ValueError, match=r"GPT2LMHeadModel\.tp_plan is empty") as error:
-        resolve_plan(gpt2(), None, tensor_parallel_size=2, sequence_parallel=False)
-    assert "HINT" in str(error.value) and "\n" not in str(error.value)
 
 
 def test_older_torch_refuses_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_parallel.pipeline.microbatches import plan_microbatches
 from lightning_parallel.pipeline.schedule_plan import SCHEDULES, resolve_schedule
@@ -66,8 +67,10 @@ def test_each_schedule_falls_back_to_the_one_same_layout_schedule_that_takes_any
 
 
 # ---- tensor styles ---------------------------------------------------------------------------------------------------
-def example(module_type: type[nn.Module] | None) -> nn.Module:
-    """A small module of a type, every size divisible by 2 and none by 4."""
+def example(module_type: type[nn.Module] | None, pieces: int = 1) -> nn.Module:
+    """A small module of a type, every size divisible by 2 and none by 4 (per block of a packed projection)."""
+    if pieces > 1:
+        return nn.Linear(6, 6 * pieces) if module_type is nn.Linear else Conv1D(6 * pieces, 6)
     examples: dict[type[nn.Module] | None, nn.Module] = {
         nn.Linear: nn.Linear(6, 10),
         nn.Embedding: nn.Embedding(10, 6),
@@ -90,7 +93,8 @@ CASES = [(name, module_type) for name, traits in STYLE_TRAITS.items() for module
 def test_every_style_applies_and_shards_what_its_row_says(name: str, module_type: type[nn.Module] | None) -> None:
     traits = STYLE_TRAITS[name]
     assert STYLES[name] == traits.description
-    module = example(module_type)
+    pieces = traits.shardings[0].pieces if traits.shardings else 1
+    module = example(module_type, pieces)
     split = traits.sharded_parameters(module)
     model = nn.ModuleDict({"m": module})
     check_plan(model, {"m": name}, tensor_parallel_size=2, sequence_parallel=False)
@@ -99,12 +103,14 @@ def test_every_style_applies_and_shards_what_its_row_says(name: str, module_type
         apply_plan(model, {"m": name}, mesh, sequence_parallel=False)
         sharded = [model["m"]]
         if module_type is TransposedLinear:  # its own torch styles (transposed_linear.py), and inside traced stages
-            traced = example(module_type)
+            traced = example(module_type, pieces)
             distribute_planned(traced, name, mesh)
             sharded.append(traced)
         for key, param in (item for each in sharded for item in each.named_parameters()):
             if key in split:
-                assert isinstance(param, DTensor) and param.placements == (Shard(split[key]),), (name, key)
+                # contiguous, or interleaved block by block in a packed projection (q | k | v)
+                want = Shard(split[key]) if pieces == 1 else _StridedShard(split[key], split_factor=pieces)
+                assert isinstance(param, DTensor) and param.placements == (want,), (name, key)
                 assert param.to_local().shape[split[key]] * 2 == param.shape[split[key]]
             else:  # left whole: a plain tensor or a replicated DTensor
                 assert not isinstance(param, DTensor) or param.placements == (Replicate(),), (name, key)
@@ -113,9 +119,10 @@ def test_every_style_applies_and_shards_what_its_row_says(name: str, module_type
 @pytest.mark.parametrize("name", [name for name, traits in STYLE_TRAITS.items() if traits.shardings])
 def test_every_sharding_style_refuses_sizes_tp_does_not_divide_and_other_module_types(name: str) -> None:
     for sharding in STYLE_TRAITS[name].shardings:
-        module = example(sharding.module)
+        module = example(sharding.module, sharding.pieces)
         size = getattr(module, sharding.size)
-        refusal = rf"has {sharding.size_name} {size}, not divisible by tensor_parallel_size 4"
+        what = sharding.size_name if sharding.pieces == 1 else rf"{sharding.size_name} {size} = {sharding.pieces} x"
+        refusal = rf"has {what} {size // sharding.pieces}, not divisible by tensor_parallel_size 4"
         with pytest.raises(ValueError, match=refusal):
             check_plan(nn.ModuleDict({"m": module}), {"m": name}, tensor_parallel_size=4, sequence_parallel=False)
     with pytest.raises(ValueError, match=rf"Identity, but style '{name}' applies to"):

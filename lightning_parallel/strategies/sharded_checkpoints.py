@@ -36,6 +36,7 @@ from lightning_parallel.hf_format import RECORD_KEY, describe_pretrained
 from lightning_parallel.parameter_kinds import groups_by_kind
 from lightning_parallel.seams import finish_restored_epoch, fit_weights_only
 from lightning_parallel.strategies.mesh_processes import MeshProcesses
+from lightning_parallel.tensor.packed import copy_back, savable
 
 # Flattened optimizer keys ("state.<param name>.exp_avg") are per parameter: no two ranks write the same
 # key with different values, and a checkpoint loads into any other split of the parameters.
@@ -87,7 +88,7 @@ class ShardedCheckpoints(MeshProcesses):
             checkpoint[RECORD_KEY] = pretrained
         shards = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
         shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-        dcp.save(shards, checkpoint_id=str(partial))
+        dcp.save(savable(shards), checkpoint_id=str(partial))  # interleaved shards (q | k | v) as contiguous ones
         if self.is_global_zero:
             torch.save(checkpoint, partial / META_FILE)
         self.barrier()
@@ -112,7 +113,9 @@ class ShardedCheckpoints(MeshProcesses):
             state[f"optimizer_{i}"] = optimizer_state_dict(module, optimizer)
         expected = {k: tuple(v.shape) for k, v in state[MODEL_KEY].items()}  # this rank's part, global shapes
         compare_tensors(path, sharded_tensors(path, weights_only=not trusted), expected, whole=False)
-        load_shards(state, path, weights_only=not trusted)
+        view = savable(state)  # interleaved shards (q | k | v) read as the contiguous ones saved
+        load_shards(view, path, weights_only=not trusted)
+        copy_back(state, view)
         set_model_state_dict(module, state[MODEL_KEY], options=StateDictOptions(strict=module.strict_loading))
         for i, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(module, optimizer, state[f"optimizer_{i}"], options=OPTIMIZER_OPTIONS)

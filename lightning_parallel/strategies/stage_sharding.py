@@ -20,7 +20,7 @@ from lightning_parallel.pipeline.tied import TiedGroup
 from lightning_parallel.replicas import broadcast_module
 from lightning_parallel.seams import refuse_older_torch
 from lightning_parallel.strategies.tensor import resolve_plan
-from lightning_parallel.tensor.plans import apply_plan
+from lightning_parallel.tensor.plans import apply_plan, retie, sharding_first, tied_groups
 from lightning_parallel.tensor.traced_stages import distribute_planned, parameter_placements, run_on_mesh
 from lightning_parallel.weights import materialize_in_parts
 
@@ -58,7 +58,10 @@ def shard_stage(
         else:
             apply_plan(network, {name: local[name]}, mesh, sequence_parallel=False)
 
-    return materialize_in_parts(network, device, list(local), shard)
+    tied = tied_groups(network)  # tied within this rank's blocks: each name sharded alike (`check_plan`), one again
+    peak = materialize_in_parts(network, device, sharding_first(local), shard)
+    retie(network, tied)
+    return peak
 
 
 def refuse_traced_sharding(

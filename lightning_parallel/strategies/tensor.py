@@ -1,9 +1,9 @@
 """TensorParallelStrategy: the layers a plan names are split across the ranks of a tensor-parallel group (DTensor
 `parallelize_module`), optionally times data-parallel replicas that FSDP2 keeps in sync.
 
-The plan is the `plan` argument, else the network's `tp_plan` attribute, else an automatic one; a LightningModule
-that overrides `configure_model()` parallelises itself instead. Plan mechanics live in `tensor/plans.py`.
-Over 300 lines: the strategy and its plan resolution (argument > model `tp_plan` > automatic), which 3D reuses.
+The plan is the `plan` argument, else the network's own (ours, or a transformers model's), else one found from its
+structure, else from an fx trace (`resolve_plan`); a LightningModule that overrides `configure_model()` parallelises
+itself instead. Plan mechanics live in `tensor/`. Over 300 lines: the strategy and its plan resolution, which 3D reuses.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from lightning_parallel.dims import ParallelDims
 from lightning_parallel.replicas import average_, broadcast_module
 from lightning_parallel.strategies.arguments import check_bool, check_choice, check_int, check_name, reject
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
+from lightning_parallel.tensor.hf_plans import transformers_plan
 from lightning_parallel.tensor.pairing import auto_plan
 from lightning_parallel.tensor.plans import (
     STYLES,
@@ -35,7 +36,11 @@ from lightning_parallel.tensor.plans import (
     check_plan,
     expand_plan,
     keep_gradients_sharded,
+    retie,
+    sharding_first,
+    tied_groups,
 )
+from lightning_parallel.tensor.structure import structural_plan
 from lightning_parallel.weights import materialize, materialize_in_parts
 
 
@@ -51,9 +56,10 @@ class TensorParallelStrategy(MeshStrategy):
     Args:
         tensor_parallel_size: ranks that share one copy of the model; None derives it from the devices.
         data_parallel_size: model replicas; None derives it from the devices.
-        plan: {pattern: style} overriding the network's own `tp_plan`, "auto" to pair layers column -> row
-            (Linear and Conv2d stacks, see `tensor.pairing.auto_plan`), or None
-            (the network's `tp_plan`, else "auto").
+        plan: {pattern: style} overriding the network's own plan; "auto" to find one from the structure
+            (attention and MLP layers, `tensor.structure`) or else an fx trace (Linear and Conv2d pairs,
+            `tensor.pairing`); None: the network's own plan (its `tp_plan`, a transformers model's in transformers'
+            style names), else "auto".
         sequence_parallel: also split norms and the residual stream along the sequence (plans that have
             "sequence_parallel" entries, e.g. GPT's).
         network_attr: the LightningModule attribute holding the network; None finds the one child with parameters.
@@ -182,8 +188,10 @@ class TensorParallelStrategy(MeshStrategy):
             # so no rank holds the whole model, also during set-up.
             # At tp=1 a plan would only wrap every layer in a one-rank DTensor, whose eager dispatch costs 3-4x a
             # step on a GPU: the network stays plain, as on one device.
-            applied = list(plan) if self.dims.tp > 1 else []
+            applied = sharding_first(plan) if self.dims.tp > 1 else []
+            tied = tied_groups(network)  # a tied embedding and head, each sharded alike (`check_plan`), made one again
             self.setup_peak_parameter_bytes = materialize_in_parts(network, self.root_device, applied, shard)
+            retie(network, tied)
         return source, plan, replicated_why
 
     def _shard_over_replicas(self, module: pl.LightningModule, network: nn.Module) -> None:
@@ -266,26 +274,42 @@ def check_plan_argument(owner: object, plan: object) -> None:
 def resolve_plan(
     network: nn.Module, plan: Mapping[str, str] | str | None, *, tensor_parallel_size: int, sequence_parallel: bool
 ) -> tuple[str, dict[str, str], dict[str, str]]:
-    """(source, exact-name plan, why each unplanned module stays whole): the `plan` argument, else the network's
-    own `tp_plan`, else the automatic plan; checked against `tensor_parallel_size` (raises ValueError with a fix)."""
-    own = getattr(network, "tp_plan", None)
+    """(source, exact-name plan, why each unplanned module stays whole), the first of, in order:
+    1. "argument": the `plan` argument;
+    2. "model": the network's own plan when it has entries: `tp_plan` in our style names, or a transformers model's
+       (`_tp_plan` + `config.base_model_tp_plan`) translated from transformers' style names (`tensor/hf_plans.py`);
+    3. "structure": attention and MLP layers recognised by names and widths (`tensor/structure.py`);
+    4. "auto": column -> row pairs along a torch.fx trace (`tensor/pairing.py`).
+    `plan="auto"` skips 2. Checked against `tensor_parallel_size` (raises ValueError with a fix)."""
+    tp = tensor_parallel_size
     replicated: dict[str, str] = {}
-    if plan == "auto" or (plan is None and own is None):
-        found = auto_plan(network, tensor_parallel_size=tensor_parallel_size)
-        source, exact, replicated = "auto", found.plan, found.replicated
-    else:
-        source = "argument" if plan is not None else "model"
-        exact = expand_plan(network, plan if isinstance(plan, Mapping) else own)  # type: ignore[arg-type]
-        if tensor_parallel_size > 1 and not exact:
-            # e.g. a Hugging Face model, whose `tp_plan` attribute is an empty dict for most architectures
-            where = "the plan argument" if plan is not None else f"{type(network).__name__}.tp_plan"
+    own = None if plan is not None else _own_plan(network)
+    if isinstance(plan, Mapping):
+        source, exact = "argument", expand_plan(network, plan)
+        if tp > 1 and not exact:
             raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size}: {where} is empty, so nothing would be sharded and "
-                "every rank would compute the whole network. HINT: pass plan={'<module name pattern>': 'colwise' | "
-                "'rowwise' | ...} naming the layers to shard"
+                f"tensor_parallel_size={tp}: the plan argument is empty, so nothing would be sharded and every rank "
+                "would compute the whole network. HINT: pass plan=None to find a plan, or name the layers to shard: "
+                "plan={'<module name pattern>': 'colwise' | 'rowwise' | ...}"
             )
-    check_plan(network, exact, tensor_parallel_size=tensor_parallel_size, sequence_parallel=sequence_parallel)
+    elif own:
+        source, exact = "model", expand_plan(network, own)
+    else:
+        found = structural_plan(network, tensor_parallel_size=tp)
+        source = "structure" if found is not None else "auto"
+        found = found or auto_plan(network, tensor_parallel_size=tp)
+        exact, replicated = found.plan, found.replicated
+    check_plan(network, exact, tensor_parallel_size=tp, sequence_parallel=sequence_parallel)
     return source, exact, replicated
+
+
+def _own_plan(network: nn.Module) -> Mapping[str, str] | None:
+    """The network's own plan in our style names (a transformers model's translated), None or empty without one."""
+    translated = transformers_plan(network)
+    if translated is not None:
+        return translated
+    own = getattr(network, "tp_plan", None)
+    return own if isinstance(own, Mapping) else None
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

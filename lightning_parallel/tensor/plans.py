@@ -21,6 +21,8 @@ from lightning_parallel.tensor.styles import STYLE_TRAITS, Conv1D
 from lightning_parallel.tensor.torch_layers import refuse_sharded_attention
 from lightning_parallel.tensor.transposed_linear import TRANSPOSED_STYLES
 
+# attribute names an attention module keeps its per-head size under (its projections' parent)
+HEAD_SIZES = ("head_dim", "attention_head_size", "head_size")
 # style name -> what it does (the one-line descriptions of `styles.STYLE_TRAITS`)
 STYLES: dict[str, str] = {name: traits.description for name, traits in STYLE_TRAITS.items()}
 
@@ -45,7 +47,7 @@ def expand_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
             raise ValueError(
                 f"tensor plan: {pattern!r} maps to unknown style {style!r}. HINT: use one of {', '.join(STYLES)}"
             )
-        matched = [name for name in names if _matches(pattern, name)]
+        matched = [name for name in names if matches(pattern, name)]
         if not matched:
             close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.3) or names[:3]
             raise ValueError(
@@ -63,7 +65,8 @@ def expand_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
     return dict(sorted(resolved.items(), key=lambda item: order[item[0]]))
 
 
-def _matches(pattern: str, name: str) -> bool:
+def matches(pattern: str, name: str) -> bool:
+    """Whether a plan pattern (`fnmatch` per dotted atom) names module `name`."""
     atoms, parts = pattern.split("."), name.split(".")
     return len(atoms) == len(parts) and all(fnmatchcase(part, atom) for atom, part in zip(atoms, parts, strict=True))
 
@@ -87,10 +90,22 @@ def check_plan(
                 f"tensor plan: {name} is a {type(module).__name__}, but style {style!r} applies to "
                 f"{' / '.join(t.__name__ for t in accepts)}. HINT: map {name} to another style or to 'replicate'"
             )
+        if isinstance(module, Conv1D) and style in TRANSPOSED_STYLES and sequence_parallel:
+            raise ValueError(
+                f"tensor plan: {name} is a Conv1D (a transposed Linear), which takes {style!r} only without "
+                f"sequence parallelism. HINT: set sequence_parallel=False, or map {name} to 'replicate'"
+            )
         if isinstance(module, nn.Conv2d) and module.groups != 1:
             raise ValueError(
                 f"tensor plan: {name} is a Conv2d with groups={module.groups}; channel-parallel styles need "
                 f"groups=1. HINT: map {name} to 'replicate'"
+            )
+        sharding = STYLE_TRAITS[style].sharding(module)
+        if sharding is not None and getattr(module, sharding.size) % sharding.pieces:
+            raise ValueError(
+                f"tensor plan: {name} ({type(module).__name__}, {style}) has {sharding.size_name} "
+                f"{getattr(module, sharding.size)}, not {sharding.pieces} equal blocks. HINT: map {name} to "
+                "'colwise_gather' or 'replicate'"
             )
         for what, size in sharded_sizes(style, module, _parent(modules, name)):
             if size % tp != 0:
@@ -99,11 +114,47 @@ def check_plan(
                     f"tensor plan: {name} ({type(module).__name__}, {style}) has {what} {size}, not divisible by "
                     f"tensor_parallel_size {tp}. HINT: use tensor_parallel_size in {fits}, or map {name} to 'replicate'"
                 )
+    _check_ties(model, plan)
     if sequence_parallel and not any(STYLE_TRAITS[style].sequence_only for style in plan.values()):
         raise ValueError(
             f"sequence_parallel=True, but the plan for {type(model).__name__} has no 'sequence_parallel' entries. "
             "HINT: set sequence_parallel=False, or map the norms between blocks to 'sequence_parallel'"
         )
+
+
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """The qualified names of each parameter the model holds under more than one name (a tied embedding and head)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def retie(model: nn.Module, groups: list[list[str]]) -> None:
+    """After sharding, make each group's names one parameter again: each planned module got its own copy."""
+    for first, *others in groups:
+        param = model.get_parameter(first)
+        for name in others:
+            owner, _, key = name.rpartition(".")
+            setattr(model.get_submodule(owner), key, param)
+
+
+def _check_ties(model: nn.Module, plan: Mapping[str, str]) -> None:
+    """A tied parameter is split the same way under each of its names, or stays whole under all of them."""
+    for group in tied_groups(model):
+        splits: dict[str, int | None] = {}
+        for name in group:
+            owner, _, key = name.rpartition(".")
+            style = plan.get(owner)
+            traits = STYLE_TRAITS[style] if style is not None else None
+            splits[name] = traits.sharded_parameters(model.get_submodule(owner)).get(key) if traits else None
+        if len(set(splits.values())) > 1:
+            found = ", ".join(f"{n} {'whole' if d is None else f'split on dim {d}'}" for n, d in splits.items())
+            raise ValueError(
+                f"tensor plan: {' and '.join(group)} are one tied parameter, but the plan splits it differently "
+                f"({found}). HINT: map their modules alike (an embedding 'vocab_parallel' with its head "
+                "'colwise_gather'), or both to 'replicate'"
+            )
 
 
 def _parent(modules: dict[str, nn.Module], name: str) -> nn.Module | None:
@@ -112,14 +163,17 @@ def _parent(modules: dict[str, nn.Module], name: str) -> nn.Module | None:
 
 def sharded_sizes(style: str, module: nn.Module, parent: nn.Module | None) -> list[tuple[str, int]]:
     """(what, size) pairs that the tensor-parallel size must divide for this style."""
-    sharding = STYLE_TRAITS[style].sharding(module)
+    traits = STYLE_TRAITS[style]
+    sharding = traits.sharding(module)
     if sharding is None:
-        return []
+        return traits.sizes(module) if traits.sizes is not None else []
     size = getattr(module, sharding.size)
-    sizes = [(sharding.size_name, size)]
-    head_dim = getattr(parent, "head_dim", None)  # attention projections: whole heads per rank
-    if isinstance(module, nn.Linear) and isinstance(head_dim, int) and head_dim > 0 and size % head_dim == 0:
-        sizes.append(("attention heads", size // head_dim))
+    block = size // sharding.pieces  # a packed projection (q | k | v) is split block by block
+    what = sharding.size_name if sharding.pieces == 1 else f"{sharding.size_name} {size} = {sharding.pieces} x"
+    sizes = [(what, block)]
+    head_dim = next((v for key in HEAD_SIZES if isinstance(v := getattr(parent, key, None), int)), None)
+    if isinstance(module, nn.Linear | Conv1D) and head_dim and block % head_dim == 0:  # whole heads per rank
+        sizes.append(("attention heads", block // head_dim))
     return sizes
 
 
@@ -130,20 +184,20 @@ def apply_plan(model: nn.Module, plan: Mapping[str, str], mesh: DeviceMesh, *, s
     """
     styles: dict[str, ParallelStyle | None] = {}
     for name, style in plan.items():
-        if isinstance(model.get_submodule(name), Conv1D) and STYLE_TRAITS[style].shardings:
-            if style not in TRANSPOSED_STYLES or sequence_parallel:
-                raise ValueError(
-                    f"tensor plan: {name} is a Conv1D (a transposed Linear), which takes 'colwise' or 'rowwise' "
-                    f"without sequence parallelism, not {style!r}"
-                    f"{' with sequence_parallel=True' if sequence_parallel else ''}. HINT: map it to 'colwise', "
-                    "'rowwise' or 'replicate'"
-                )
-            styles[name] = TRANSPOSED_STYLES[style]()
+        if isinstance(model.get_submodule(name), Conv1D) and style in TRANSPOSED_STYLES:
+            styles[name] = TRANSPOSED_STYLES[style]()  # without sequence parallelism (`check_plan`)
         else:
             styles[name] = make_style(style, sequence_parallel=sequence_parallel)
     active = {name: style for name, style in styles.items() if style is not None}
     if active:
         parallelize_module(model, mesh, active, src_data_rank=None)
+
+
+def sharding_first(plan: Mapping[str, str]) -> list[str]:
+    """The planned module names, those whose style splits parameters first: set-up materialises one planned module
+    at a time, and a style that splits none ("local_heads" on an attention module) would otherwise give storage to
+    the whole module before its projections are sharded."""
+    return sorted(plan, key=lambda name: not STYLE_TRAITS[plan[name]].shardings)
 
 
 def keep_gradients_sharded(model: nn.Module) -> list[RemovableHandle]:

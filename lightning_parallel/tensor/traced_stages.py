@@ -6,7 +6,8 @@ modules' forwards (the graph inlines `aten.linear`, `aten.conv2d`, ...), so the 
 never fire; and the trace bakes in global shapes (`view(B, T, heads, head_dim)`, `split(C)`, `flatten` to C * H * W),
 which local shards would break. So the parameters a plan names become DTensors with the placements the style table
 gives (`styles.STYLE_TRAITS`: colwise = Shard(0) of a Linear's weight and bias, rowwise = Shard(1) of its weight,
-conv_colwise / conv_rowwise / batchnorm_sharded by channel, ...; other parameters of a planned module Replicate),
+qkv_colwise an interleaved `_StridedShard`, conv_colwise / conv_rowwise / batchnorm_sharded by channel, ...; other
+parameters of a planned module Replicate; "local_heads" does nothing here, since the graphs keep global shapes),
 and `run_on_mesh` rewrites each stage's graphs in place: the stage's inputs, every tensor its graphs read or create
 (plain parameters, buffers, `arange` masks) become Replicate DTensors on the "tp" mesh, and its outputs leave as
 plain, whole tensors. DTensor's sharding propagation then computes every op with global shapes, as one process
@@ -48,7 +49,7 @@ def parameter_placements(module: nn.Module, style: str) -> dict[str, Placement]:
     placements: dict[str, Placement] = {}
     for name, _ in module.named_parameters(recurse=False):
         dim = sharding.parameters.get(name)
-        placements[name] = Shard(dim) if dim is not None else Replicate()
+        placements[name] = sharding.placement(dim) if dim is not None else Replicate()
     if isinstance(module, _BatchNorm):  # running statistics are per channel, like weight and bias
         for name in ("running_mean", "running_var"):
             if module._buffers.get(name) is not None:
@@ -196,6 +197,23 @@ def _attention_whole(*args: Any, **kwargs: Any) -> Any:
     return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
 
 
+def _embedding(weight: Any, indices: Any, padding_idx: int = -1, *rest: Any) -> Any:
+    """`aten.embedding` on a vocabulary-sharded table (vocab_parallel): each rank looks up the ids in its rows and the
+    partial lookups are summed at once. DTensor's own rule leaves a masked partial that an op after it (a dtype cast)
+    cannot sum, and whose backward it cannot build; the ids of other ranks' rows read row 0 and are zeroed."""
+    if not (_sharded(weight) and weight.placements[0] == Shard(0)) or any(rest):  # rest: scale_grad_by_freq, sparse
+        return aten.embedding.default(weight, indices, padding_idx, *rest)
+    mesh = weight.device_mesh
+    local = weight.to_local()  # (V / tp, C): its gradient comes back as the parameter's Shard(0)
+    ids = _local(indices)
+    start = mesh.get_local_rank() * local.shape[0]
+    outside = (ids < start) | (ids >= start + local.shape[0])
+    padding = padding_idx - start if start <= padding_idx < start + local.shape[0] else -1  # a row of this rank's
+    out = aten.embedding.default(local, (ids - start).masked_fill(outside, 0), padding)
+    out = out.masked_fill(outside.unsqueeze(-1), 0)  # (..., C): this rank's rows, zero elsewhere
+    return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()])
+
+
 def _assert_local_metadata(tensor: Any, *args: Any, **kwargs: Any) -> Any:
     """torch.export's dtype/device check, on the local tensor (DTensor has no rule for it)."""
     return aten._assert_tensor_metadata.default(_local(tensor), *args, **kwargs)
@@ -205,5 +223,6 @@ _REPLACED: dict[Any, Callable[..., Any]] = {
     aten.conv2d.default: _conv2d,
     aten.batch_norm.default: _batch_norm,
     aten.scaled_dot_product_attention.default: _attention_whole,
+    aten.embedding.default: _embedding,
     aten._assert_tensor_metadata.default: _assert_local_metadata,
 }

@@ -1,5 +1,5 @@
 """torch's column and row styles for a Linear whose weight is stored transposed, (in, out): transformers' `Conv1D`
-(GPT-2's projections), found by class name (`styles.Conv1D`; this library does not import transformers).
+(GPT-2's projections), found by class name (`Conv1D` here; this library does not import transformers).
 
 torch's `ColwiseParallel` / `RowwiseParallel` take nn.Linear / nn.Embedding only and shard the weight's dim 0 / 1; a
 transposed weight needs the other dimension. Only the partitioning differs: inputs and outputs are laid out by
@@ -8,6 +8,7 @@ torch's own style, and DTensor computes the module's `addmm` on the shards. Whic
 
 from __future__ import annotations
 
+from abc import ABC
 from functools import partial
 
 from torch import nn
@@ -15,7 +16,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-__all__ = ["TRANSPOSED_STYLES"]
+__all__ = ["TRANSPOSED_STYLES", "Conv1D"]
+
+
+class Conv1D(ABC):  # noqa: B024 - a marker recognised by __subclasshook__, nothing to implement
+    """transformers' `Conv1D` (GPT-2's projections), recognised by class name (this library does not import
+    transformers): a Linear whose weight is stored transposed, (in `nx`, out `nf`), computed as
+    `addmm(bias, x, weight)`. torch's styles take nn.Linear only: this file has its column and row styles,
+    `packed.py` its interleaved column style, and traced pipeline stages compute on its DTensor shards."""
+
+    @classmethod
+    def __subclasshook__(cls, other: type) -> bool:
+        return other.__name__ == "Conv1D" and issubclass(other, nn.Module)
 
 
 def _partition(placements: dict[str, Placement]):  # noqa: ANN202 - distribute_module's partition_fn
