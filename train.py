@@ -125,8 +125,25 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, Task, pl.LightningDataModule, Ru
     return trainer, task, data, summary, resume_from
 
 
+def finished(cfg: DictConfig) -> dict[str, Any] | None:
+    """With `ckpt_path=last`, the summary of this run directory when the run already reached its end (the same
+    command again, e.g. a scheduler's requeue after the job finished), else None."""
+    done = Path(cfg.paths.output_dir) / "summary.json"
+    if str(cfg.get("ckpt_path")) != "last" or not done.is_file():
+        return None
+    summary = json.loads(done.read_text())
+    max_steps, max_epochs = cfg.trainer.get("max_steps", -1), cfg.trainer.get("max_epochs")
+    if max_steps is not None and max_steps > 0:
+        return summary if summary.get("steps", 0) >= max_steps else None
+    return summary if max_epochs is not None and max_epochs >= 0 and summary.get("epochs", 0) >= max_epochs else None
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run `fit` as configured and return the summary (also written to `<output_dir>/summary.json`)."""
+    earlier = finished(cfg)
+    if earlier is not None:
+        say(f"nothing left to train: {cfg.paths.output_dir} already ran {earlier.get('steps')} steps (summary.json)")
+        return earlier
     trainer, task, data, recorder, resume_from = build(cfg)
     parameters = sum(p.numel() for p in task.model.parameters())  # before a strategy splits the model
     environment = dict(os.environ)
@@ -142,10 +159,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if trainer.interrupted:
         raise RuntimeError("training was interrupted; no summary.json written")
     record = next(c for c in trainer.callbacks if isinstance(c, ResumeRecord))  # type: ignore[attr-defined]
-    done = Path(cfg.paths.output_dir) / "summary.json"
-    if record.resumed_at == trainer.global_step and done.exists():  # the same command again after the run ended
-        say(f"nothing left to train: {resume_from} is at step {trainer.global_step}, where this run ends; {done} kept")
-        return json.loads(done.read_text())
     if trainer.global_step == 0 and trainer.max_steps != 0:  # e.g. the data gave no full batch
         fix = "trainer.max_epochs>=1" if trainer.max_epochs == 0 else "training data of at least one batch"
         raise RuntimeError(

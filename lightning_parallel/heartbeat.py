@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -23,8 +24,9 @@ from types import FrameType
 import torch.distributed as dist
 
 PREFIX = "lightning_parallel/heartbeat"
-# Frames of these packages are machinery: `where` names the code that called into them.
-MACHINERY = tuple(f"{os.sep}{name}{os.sep}" for name in ("torch", "lightning", "lightning_utilities", "hydra"))
+# Frames of Python's standard library and of these packages are machinery: `where` names the code that called them.
+PACKAGES = ("torch", "lightning", "lightning_utilities", "hydra", "omegaconf")
+MACHINERY = (sysconfig.get_paths()["stdlib"] + os.sep, *(f"{os.sep}{name}{os.sep}" for name in PACKAGES))
 WAITING = ("a collective", "a pipeline send/recv", "torch.distributed")  # how `where` starts for a rank that waits
 
 
@@ -47,7 +49,9 @@ def where(frame: FrameType | None) -> str:
         return f"its own code at {at}"
     pipelining = next((f for f in frames if f"{os.sep}pipelining{os.sep}" in f[0]), None)
     if pipelining is not None:
-        return f"a pipeline send/recv (torch.distributed.pipelining {pipelining[2]}) called from {at}"
+        waits = any(word in distributed[2] for word in ("wait", "send", "recv", "p2p"))
+        kind = "a pipeline send/recv" if waits else "the pipeline schedule"
+        return f"{kind} (torch.distributed.pipelining {pipelining[2]}) called from {at}"
     path, _, name = distributed
     if path.endswith("distributed_c10d.py"):
         return f"a collective ({name}) called from {at}"

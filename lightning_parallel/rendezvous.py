@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 ATTEMPT_KEY = "lightning_parallel/attempt_store"  # in torchrun's store: "<port> <token>" of this attempt's own store
 TOKEN_KEY = "lightning_parallel/token"  # in the attempt's store: the token published with its port
+_groups_started = 0  # process groups this process has rendezvoused for: every worker counts the same
 
 
 def binds_exactly(address: str) -> bool:
@@ -62,8 +63,11 @@ def store_for(
 ) -> dist.Store:
     """The store this attempt's process group rendezvouses on: a store of the attempt's own under torchrun's shared
     one (`attempt_store`), otherwise rank 0's at MASTER_ADDR:MASTER_PORT (`bound_store`)."""
+    global _groups_started
+    _groups_started += 1
     if torchrun_shares_its_store(environ):
-        run = environ.get("TORCHELASTIC_RUN_ID", "")
+        # one entry per process group of the attempt (a sweep starts several, and an earlier one's store may live on)
+        run = f"{environ.get('TORCHELASTIC_RUN_ID', '')}/{_groups_started}"
         return attempt_store(main_address, main_port, rank=rank, world_size=world_size, timeout=timeout, run=run)
     return bound_store(main_address, main_port, rank=rank, world_size=world_size, timeout=timeout)
 

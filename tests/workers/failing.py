@@ -16,11 +16,21 @@ import lightning.pytorch as pl
 
 
 class FailAt(pl.Callback):
-    def __init__(self, *, rank: int, step: int, mode: str, attempt: int | None = None, strategy: str | None = None):
+    def __init__(
+        self,
+        *,
+        rank: int,
+        step: int,
+        mode: str,
+        attempt: int | None = None,
+        strategy: str | None = None,
+        enabled: bool = True,
+    ) -> None:
         self.rank, self.step, self.mode, self.attempt, self.strategy = rank, step, mode, attempt, strategy
+        self.enabled = enabled
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        if trainer.global_rank != self.rank or trainer.global_step != self.step:
+        if not self.enabled or trainer.global_rank != self.rank or trainer.global_step != self.step:
             return
         if self.attempt is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != self.attempt:
             return
