@@ -117,6 +117,12 @@ class Hang:
     host: str
     line: str
 
+    @property
+    def hint(self) -> str:
+        if self.stopped:
+            return "restarted (torchrun --max-restarts, SLURM --requeue) with ckpt_path=last, the run resumes"
+        return "if a step legitimately takes longer than the strategy's timeout, raise it (strategy.timeout=<seconds>)"
+
 
 def read_beats(store: dist.Store, world_size: int, *, timeout: float = 3.0) -> dict[int, dict] | None:
     """Every rank's last heartbeat (ranks that never sent one are missing); None when the store does not answer

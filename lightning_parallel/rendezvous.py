@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 ATTEMPT_KEY = "lightning_parallel/attempt_store"  # in torchrun's store: "<port> <token>" of this attempt's own store
 TOKEN_KEY = "lightning_parallel/token"  # in the attempt's store: the token published with its port
+JOINED_KEY = "lightning_parallel/joined"  # in a store: how many ranks have reached it (`join`)
 _groups_started = 0  # process groups this process has rendezvoused for: every worker counts the same
 
 
@@ -61,15 +62,28 @@ def store_for(
     timeout: timedelta,
     environ: Mapping[str, str] = os.environ,
 ) -> dist.Store:
-    """The store this attempt's process group rendezvouses on: a store of the attempt's own under torchrun's shared
-    one (`attempt_store`), otherwise rank 0's at MASTER_ADDR:MASTER_PORT (`bound_store`)."""
+    """The store this attempt's process group rendezvouses on, once every rank has reached it (`join`): a store of the
+    attempt's own under torchrun's shared one (`attempt_store`), otherwise rank 0's at MASTER_ADDR:MASTER_PORT
+    (`bound_store`)."""
     global _groups_started
     _groups_started += 1
     if torchrun_shares_its_store(environ):
         # one entry per process group of the attempt (a sweep starts several, and an earlier one's store may live on)
         run = f"{environ.get('TORCHELASTIC_RUN_ID', '')}/{_groups_started}"
-        return attempt_store(main_address, main_port, rank=rank, world_size=world_size, timeout=timeout, run=run)
-    return bound_store(main_address, main_port, rank=rank, world_size=world_size, timeout=timeout)
+        store = attempt_store(main_address, main_port, rank=rank, world_size=world_size, timeout=timeout, run=run)
+    else:
+        store = bound_store(main_address, main_port, rank=rank, world_size=world_size, timeout=timeout)
+    join(store, world_size)
+    return store
+
+
+def join(store: dist.Store, world_size: int) -> None:
+    """Wait, up to the store's timeout, until all `world_size` ranks have reached `store`: a process group's own
+    rendezvous then waits only its (possibly short) collective timeout, and a rank still importing torch on a loaded
+    machine does not make it fail."""
+    if store.add(JOINED_KEY, 1) == world_size:
+        store.set(f"{JOINED_KEY}/all", "1")
+    store.wait([f"{JOINED_KEY}/all"])
 
 
 def bound_store(address: str, port: int, *, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:

@@ -90,7 +90,7 @@ def stop_peers(
         wait = 5.0 if lost_a_peer(error) else 0.0
         failure = first_dead(launcher.procs, node_rank * num_processes + 1, wait)
         launcher.kill(signal.SIGKILL)
-    line = str(failure) if failure is not None else hang.line if hang is not None else None
+    line = str(failure) if failure is not None else f"{hang.line}. HINT: {hang.hint}" if hang is not None else None
     if line is None and launched and "Timed out" in str(error):
         line = (
             f"a collective timed out on rank {node_rank * num_processes}: another rank is alive but stuck (in its "
