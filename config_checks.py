@@ -179,7 +179,7 @@ def resolve_checkpoint(cfg: DictConfig) -> str | None:
         return str(found) if found is not None else None
     path = Path(str(value))
     if not path.exists():
-        recover(path.parent)  # a run killed while swapping in a new checkpoint left the previous one aside
+        recover_shared(path.parent)  # a run killed while swapping in a new checkpoint left the previous one aside
     if not path.exists():
         raise ConfigError(f"ckpt_path={value} does not exist. HINT: give a run directory or its checkpoints/*.ckpt")
     if path.is_dir() and not path.name.endswith(".ckpt"):  # a run directory
@@ -197,7 +197,7 @@ def newest_checkpoint(run: Path, *, weights_only: bool = True) -> Path | None:
     there is none. Interrupted saves are undone first (`checkpoint.recover`: a `.partial` write removed, a checkpoint
     renamed aside put back); a checkpoint cut short (a missing or short shard, a truncated file) is passed over."""
     for folder in {p.parent for pattern in ("*.partial", "*.old") for p in run.rglob(pattern)}:
-        recover(folder)
+        recover_shared(folder)
     candidates = [p for p in run.rglob("*.ckpt") if p.is_file() or is_sharded_checkpoint(p)]
     written = {p: (p / META_FILE if p.is_dir() else p).stat().st_mtime for p in candidates}
     for path in sorted(candidates, key=lambda p: (written[p], p.name == "last.ckpt"), reverse=True):
@@ -210,6 +210,19 @@ def newest_checkpoint(run: Path, *, weights_only: bool = True) -> Path | None:
             continue
         return path
     return None
+
+
+def recover_shared(folder: Path) -> None:
+    """`checkpoint.recover(folder)` while the other ranks of a launch (under torchrun or SLURM, all of them at once)
+    may be recovering it too: a rename or removal another one made first is retried, so that every rank then sees the
+    same checkpoints."""
+    for _ in range(10):
+        try:
+            recover(folder)
+            return
+        except FileNotFoundError:
+            continue
+    recover(folder)
 
 
 def hydra_error_line(error: Exception) -> str:

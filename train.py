@@ -231,8 +231,8 @@ def report_failure(error: BaseException, output_dir: str) -> str | None:
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("".join(traceback.format_exception(error)))
     first = error
-    while first.__context__ is not None and not first.__suppress_context__:
-        first = first.__context__
+    while (cause := first.__cause__ or (None if first.__suppress_context__ else first.__context__)) is not None:
+        first = cause  # an error raised while handling, or from, another (e.g. in teardown after a lost peer)
     if any(note.startswith("caused by: ") for note in getattr(first, "__notes__", [])):
         return f"rank {rank} stopped after the failure above (traceback: {log})"
     if getattr(first, "same_on_every_rank", False):  # e.g. a training_step the pipeline refuses: say it once

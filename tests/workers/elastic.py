@@ -8,16 +8,21 @@ instead of executed, so an attempt does not pay ~5 s of CPU per worker importing
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-import train  # noqa: F401  (its imports: torch, Lightning, Hydra, the library)
+import train  # its imports: torch, Lightning, Hydra, the library
 
 
 def worker(args: list[str]) -> None:
     """`python train.py <args>`, as a script (Hydra finds conf/ next to it); its imports are already loaded."""
+    # Lightning reads the rank at import, which happened before the fork: as a freshly started worker would have it
+    rank_zero_only.rank = utils_rank_zero_only.rank = int(os.environ["RANK"])  # type: ignore[attr-defined]
     sys.argv = [train.__file__, *args]
     runpy.run_path(train.__file__, run_name="__main__")
 
