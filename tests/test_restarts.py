@@ -100,7 +100,7 @@ def test_torchrun_restarts_after_a_kill_continue_exactly(tmp_path: Path) -> None
 def test_a_stopped_rank_ends_the_job_within_the_timeout_named_in_one_line(tmp_path: Path) -> None:
     """SIGSTOP leaves a rank's sockets open, so its peers wait until the collective timeout (gloo raises then); the
     heartbeats name it, and it is killed so torchrun need not wait 30 s for a process that cannot take SIGTERM."""
-    timeout = 8
+    timeout = 6
     stop = "+callbacks.stop={_target_:failing.FailAt,rank:1,step:2,mode:stop}"
     args = [str(ROOT / "train.py"), "strategy=pipeline", f"strategy.timeout={timeout}", *STEPS, "callbacks=none"]
     result = run([*TORCHRUN, "--max-restarts=0", *args, stop, "hydra.run.dir=run"], tmp_path)

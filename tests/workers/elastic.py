@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import runpy
+import signal
 import sys
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -21,8 +22,10 @@ import train  # its imports: torch, Lightning, Hydra, the library
 
 def worker(args: list[str]) -> None:
     """`python train.py <args>`, as a script (Hydra finds conf/ next to it); its imports are already loaded."""
-    # Lightning reads the rank at import, which happened before the fork: as a freshly started worker would have it
+    # As a freshly started worker has them: the rank Lightning read at import (before the fork), and SIGTERM's default
+    # action (the fork inherits the agent's Python handler, which a worker blocked in C++ would never run).
     rank_zero_only.rank = utils_rank_zero_only.rank = int(os.environ["RANK"])  # type: ignore[attr-defined]
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     sys.argv = [train.__file__, *args]
     runpy.run_path(train.__file__, run_name="__main__")
 
