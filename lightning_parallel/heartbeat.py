@@ -83,7 +83,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-rank{rank}", daemon=True)
 
     def start(self) -> Heartbeat:
-        self._beat()  # the first one before any collective: a rank that stops early is named too
+        self._beat("its set-up, right after its process group started")  # a rank that stops early is named too
         self._thread.start()
         return self
 
@@ -94,9 +94,9 @@ class Heartbeat:
     def alive(self) -> bool:
         return self._thread.is_alive() and dist.group.WORLD is self._group
 
-    def _beat(self) -> None:
+    def _beat(self, doing: str | None = None) -> None:
         beat = {"time": time.time(), "pid": os.getpid(), "host": socket.gethostname()}
-        beat["doing"] = where(sys._current_frames().get(self._main))
+        beat["doing"] = doing or where(sys._current_frames().get(self._main))
         self._store.set(str(self.rank), json.dumps(beat))
 
     def _run(self) -> None:
