@@ -233,6 +233,7 @@ def test_the_main_address_goes_to_the_store_and_under_torchrun_to_the_attempts_o
     calls: list[tuple[str, str, int]] = []
     for kind in ("bound", "attempt"):
         monkeypatch.setattr(rendezvous, f"{kind}_store", lambda a, p, kind=kind, **_: calls.append((kind, a, p)))
+    monkeypatch.setattr(rendezvous, "join", lambda store, world_size: None)
     timeout = JOIN_TIMEOUT
     store_for("10.1.2.3", 29555, rank=0, world_size=4, timeout=timeout, environ={})
     torchrun = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "job"}
