@@ -21,7 +21,8 @@ from hydra.utils import get_class, get_object, instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from lightning_parallel.checkpoint import recover
+from lightning_parallel.checkpoint import META_FILE, is_sharded_checkpoint, recover, saved_tensors
+from lightning_parallel.unpickling import UntrustedCheckpoint
 
 
 class ConfigError(ValueError):
@@ -166,38 +167,62 @@ def root_message(error: BaseException) -> str:
 
 
 def resolve_checkpoint(cfg: DictConfig) -> str | None:
-    """`ckpt_path`: a checkpoint (a .ckpt file or a sharded .ckpt directory), a run directory (its newest
-    checkpoint), or `last`: the newest checkpoint of this run's own directory (with hydra.run.dir=<that run>)."""
+    """`ckpt_path`: a checkpoint (a .ckpt file or a sharded .ckpt directory), a run directory (its newest complete
+    checkpoint), or `last`: the newest complete checkpoint of this run's own directory, and None (a fresh start, as
+    Lightning's own "last" means) while it has none, so one command both starts a run and resumes it."""
     value = cfg.get("ckpt_path")
     if value is None or str(value) == "":
         return None
+    weights_only = cfg.get("ckpt_weights_only", True)
     if str(value) == "last":
-        folder = Path(cfg.paths.output_dir) / "checkpoints"
-        if not folder.is_dir():
-            raise ConfigError(
-                f"ckpt_path=last: this run's directory {cfg.paths.output_dir} has no checkpoints/. HINT: resume "
-                "into the earlier run's directory (hydra.run.dir=<run dir>), or give ckpt_path=<run dir or .ckpt>"
-            )
-        return str(newest_checkpoint(folder))
+        found = newest_checkpoint(Path(cfg.paths.output_dir), weights_only=weights_only)
+        return str(found) if found is not None else None
     path = Path(str(value))
     if not path.exists():
-        recover(path.parent)  # a run killed while swapping in a new checkpoint left the previous one aside
+        recover_shared(path.parent)  # a run killed while swapping in a new checkpoint left the previous one aside
     if not path.exists():
         raise ConfigError(f"ckpt_path={value} does not exist. HINT: give a run directory or its checkpoints/*.ckpt")
-    if (path / "checkpoints").is_dir():  # a run directory
-        return str(newest_checkpoint(path / "checkpoints"))
+    if path.is_dir() and not path.name.endswith(".ckpt"):  # a run directory
+        found = newest_checkpoint(path, weights_only=weights_only)
+        if found is None:
+            raise ConfigError(
+                f"{path} holds no complete checkpoint (*.ckpt). HINT: give ckpt_path=<a .ckpt file> directly"
+            )
+        return str(found)
     return str(path)
 
 
-def newest_checkpoint(folder: Path) -> Path:
-    """`last.ckpt` when the run saved one, else the most recently written checkpoint."""
+def newest_checkpoint(run: Path, *, weights_only: bool = True) -> Path | None:
+    """The most recently written complete checkpoint anywhere under a run directory (`last.ckpt` on a tie), None if
+    there is none. Interrupted saves are undone first (`checkpoint.recover`: a `.partial` write removed, a checkpoint
+    renamed aside put back); a checkpoint cut short (a missing or short shard, a truncated file) is passed over."""
+    for folder in {p.parent for pattern in ("*.partial", "*.old") for p in run.rglob(pattern)}:
+        recover_shared(folder)
+    candidates = [p for p in run.rglob("*.ckpt") if p.is_file() or is_sharded_checkpoint(p)]
+    written = {p: (p / META_FILE if p.is_dir() else p).stat().st_mtime for p in candidates}
+    for path in sorted(candidates, key=lambda p: (written[p], p.name == "last.ckpt"), reverse=True):
+        try:
+            saved_tensors(path, weights_only=weights_only)  # reads the index and metadata only
+        except UntrustedCheckpoint:
+            raise
+        except (ValueError, FileNotFoundError) as error:
+            warnings.warn(f"passing over an incomplete checkpoint: {error}", stacklevel=2)
+            continue
+        return path
+    return None
+
+
+def recover_shared(folder: Path) -> None:
+    """`checkpoint.recover(folder)` while the other ranks of a launch (under torchrun or SLURM, all of them at once)
+    may be recovering it too: a rename or removal another one made first is retried, so that every rank then sees the
+    same checkpoints."""
+    for _ in range(10):
+        try:
+            recover(folder)
+            return
+        except FileNotFoundError:
+            continue
     recover(folder)
-    if (folder / "last.ckpt").exists():
-        return folder / "last.ckpt"
-    found = list(folder.glob("*.ckpt"))  # unfinished `.ckpt.partial` saves were removed by `recover`
-    if not found:
-        raise ConfigError(f"{folder} holds no checkpoint (*.ckpt). HINT: give ckpt_path=<a .ckpt file> directly")
-    return max(found, key=lambda path: path.stat().st_mtime)
 
 
 def hydra_error_line(error: Exception) -> str:

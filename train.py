@@ -38,7 +38,7 @@ from config_checks import (
     resolve_checkpoint,
     root_message,
 )
-from lightning_parallel.callbacks import ExactResume, RunSummary
+from lightning_parallel.callbacks import ExactResume, ResumeRecord, RunSummary
 from lightning_parallel.checkpoint import check_matches
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.tasks import ClassificationTask, LanguageModelTask, Task
@@ -79,12 +79,12 @@ def build_strategy(cfg: DictConfig, data: pl.LightningDataModule | None = None) 
     return instantiate_at(cfg, "strategy", _partial_=False, device=device)
 
 
-def build_trainer(cfg: DictConfig, summary: RunSummary, data: pl.LightningDataModule) -> pl.Trainer:
-    """The Trainer with its strategy, callbacks (plus the run summary and `ExactResume`) and logger."""
+def build_trainer(cfg: DictConfig, recorders: list[pl.Callback], data: pl.LightningDataModule) -> pl.Trainer:
+    """The Trainer with its strategy, callbacks (plus `ExactResume` and the recorders of summary.json) and logger."""
     callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None]
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     strategy = build_strategy(cfg, data)
-    callbacks += [ExactResume(), summary]
+    callbacks += [ExactResume(), *recorders]
     return instantiate_at(cfg, "trainer", strategy=strategy, callbacks=callbacks, logger=logger)
 
 
@@ -96,7 +96,7 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, Task, pl.LightningDataModule, Ru
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         data = instantiate_at(cfg, "data")
         summary = RunSummary()
-        trainer = build_trainer(cfg, summary, data)
+        trainer = build_trainer(cfg, [summary, ResumeRecord(cfg.paths.output_dir)], data)
         # Under a model-parallel strategy this builds on the meta device; each rank materialises its part.
         # Our models initialise by name, so the mesh strategies may build them on the meta device and materialise
         # only each rank's part (Lightning's DDP would take empty_init=True as "leave the weights uninitialised").
@@ -109,6 +109,8 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, Task, pl.LightningDataModule, Ru
         resume_from = resolve_checkpoint(cfg)
         if resume_from is not None:
             check_matches(resume_from, task, weights_only=cfg.ckpt_weights_only)
+        elif str(cfg.get("ckpt_path")) == "last":
+            say(f"ckpt_path=last: no checkpoint in {cfg.paths.output_dir} yet, starting from scratch")
     except ConfigError:
         raise
     except UntrustedCheckpoint as error:
@@ -123,8 +125,25 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, Task, pl.LightningDataModule, Ru
     return trainer, task, data, summary, resume_from
 
 
+def finished(cfg: DictConfig) -> dict[str, Any] | None:
+    """With `ckpt_path=last`, the summary of this run directory when the run already reached its end (the same
+    command again, e.g. a scheduler's requeue after the job finished), else None."""
+    done = Path(cfg.paths.output_dir) / "summary.json"
+    if str(cfg.get("ckpt_path")) != "last" or not done.is_file():
+        return None
+    summary = json.loads(done.read_text())
+    max_steps, max_epochs = cfg.trainer.get("max_steps", -1), cfg.trainer.get("max_epochs")
+    if max_steps is not None and max_steps > 0:
+        return summary if summary.get("steps", 0) >= max_steps else None
+    return summary if max_epochs is not None and max_epochs >= 0 and summary.get("epochs", 0) >= max_epochs else None
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run `fit` as configured and return the summary (also written to `<output_dir>/summary.json`)."""
+    earlier = finished(cfg)
+    if earlier is not None:
+        say(f"nothing left to train: {cfg.paths.output_dir} already ran {earlier.get('steps')} steps (summary.json)")
+        return earlier
     trainer, task, data, recorder, resume_from = build(cfg)
     parameters = sum(p.numel() for p in task.model.parameters())  # before a strategy splits the model
     environment = dict(os.environ)
@@ -139,6 +158,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         os.environ.update(environment)
     if trainer.interrupted:
         raise RuntimeError("training was interrupted; no summary.json written")
+    record = next(c for c in trainer.callbacks if isinstance(c, ResumeRecord))  # type: ignore[attr-defined]
     if trainer.global_step == 0 and trainer.max_steps != 0:  # e.g. the data gave no full batch
         fix = "trainer.max_epochs>=1" if trainer.max_epochs == 0 else "training data of at least one batch"
         raise RuntimeError(
@@ -156,6 +176,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "parameters": parameters,
         "seed": cfg.seed,
         "resumed_from": resume_from,
+        "resumes": record.resumes,
         **recorder.summary,
     }
     auto_choice = getattr(trainer.strategy, "auto_choice", None)  # strategy=auto: what it chose and why
@@ -170,6 +191,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         write_atomically(Path(cfg.paths.output_dir) / "summary.json", json.dumps(summary, indent=2))
         print_summary(summary, cfg.paths.output_dir)
     return summary
+
+
+@rank_zero_only
+def say(line: str) -> None:
+    """One line to the terminal, from rank 0 only."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -204,8 +231,8 @@ def report_failure(error: BaseException, output_dir: str) -> str | None:
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("".join(traceback.format_exception(error)))
     first = error
-    while first.__context__ is not None and not first.__suppress_context__:
-        first = first.__context__
+    while (cause := first.__cause__ or (None if first.__suppress_context__ else first.__context__)) is not None:
+        first = cause  # an error raised while handling, or from, another (e.g. in teardown after a lost peer)
     if any(note.startswith("caused by: ") for note in getattr(first, "__notes__", [])):
         return f"rank {rank} stopped after the failure above (traceback: {log})"
     if getattr(first, "same_on_every_rank", False):  # e.g. a training_step the pipeline refuses: say it once

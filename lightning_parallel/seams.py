@@ -173,6 +173,48 @@ def finish_restored_epoch(trainer: Any) -> None:
         loop.reset_restart_stage()
 
 
+def skip_training_batches(trainer: Any, count: int) -> None:
+    """Move a fit restored mid-epoch `count` batches into its epoch, where the checkpoint was saved.
+
+    Lightning 2.6.6 restores the epoch's batch count but restarts a plain DataLoader's iterator at its first batch (only
+    a loader with `state_dict` resumes its position), so a resumed epoch trains on its first batches again and skips
+    its last. Called at `on_train_start`, after the fit loop made the epoch's iterator and before any batch is taken:
+    the samplers get the epoch's number (Lightning gives it later, before the first batch) and `count` batches are
+    drawn and dropped from the iterator, under the fetcher's count, which Lightning has already advanced by them.
+    """
+    why = "resume mid-epoch at the saved batch"
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    if fetcher is None or not hasattr(fetcher, "iterator") or not isinstance(getattr(fetcher, "batches", []), list):
+        raise changed("lightning", "FitLoop._data_fetcher.iterator", why)
+    epoch = trainer.fit_loop.epoch_progress.current.processed  # what Lightning passes to set_epoch
+    for loader in _leaves(trainer.train_dataloader):
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        for sampler in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+            set_epoch = getattr(sampler, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
+    prefetched = getattr(fetcher, "batches", [])
+    refill = len(prefetched)
+    dropped = min(count, refill)
+    del prefetched[:dropped]
+    try:
+        for _ in range(count - dropped):
+            next(fetcher.iterator)
+        for _ in range(refill - len(prefetched)):
+            prefetched.append(next(fetcher.iterator))
+    except StopIteration:
+        fetcher.done = not prefetched
+
+
+def _leaves(iterables: Any) -> list[Any]:
+    """The loaders of a `train_dataloader` (one, or a list / dict of them)."""
+    if isinstance(iterables, dict):
+        return [leaf for value in iterables.values() for leaf in _leaves(value)]
+    if isinstance(iterables, (list, tuple)):
+        return [leaf for value in iterables for leaf in _leaves(value)]
+    return [] if iterables is None else [iterables]
+
+
 def fit_weights_only() -> bool | None:
     """The `weights_only` given to the running `Trainer.fit` (or validate, test, predict), None outside one.
 

@@ -35,7 +35,8 @@ def test_negative_staleness_bound_is_one_line(compose_cfg) -> None:  # noqa: ANN
 
 @pytest.mark.slow
 def test_one_worker_through_the_server_is_one_plain_process(tmp_path: Path) -> None:
-    """The server path, forced on for one worker (the strategy skips it there), steps exactly like one process."""
+    """The server path, forced on for one worker (the strategy skips it there), steps exactly like one process, and
+    resumes exactly from a mid-epoch checkpoint."""
     [result] = run_workers("async_sgd", 1, {"scenario": "parity"}, tmp_path, timeout=60)
     plain, asynchronous = torch.tensor(result["plain_losses"]), torch.tensor(result["async_losses"])
     assert len(plain) == len(asynchronous) == 20
@@ -44,6 +45,11 @@ def test_one_worker_through_the_server_is_one_plain_process(tmp_path: Path) -> N
         assert torch.allclose(value, result["async"][name], atol=1e-5), name
     [worker] = result["describe"]["staleness"]
     assert worker == {"rank": 0, "pushes": 20, "dropped": 0, "mean": 0.0, "max": 0}
+    # resumed from its step-7 checkpoint (mid-epoch; the server's weights and optimizer state), it ends the same
+    resumed = torch.tensor(result["resumed_losses"])
+    assert len(resumed) == 13 and torch.allclose(resumed, asynchronous[7:], atol=1e-6), resumed - asynchronous[7:]
+    for name, value in result["async"].items():
+        assert torch.allclose(value, result["resumed"][name], atol=1e-6), name
 
 
 @pytest.mark.slow

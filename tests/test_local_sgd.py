@@ -1,5 +1,5 @@
 """strategy=local_sgd and strategy=diloco: period 1 equals DDP, larger periods sync exactly at their steps, both
-resume exactly from mid-period, and bad values are one line before launch.
+resume exactly from mid-period and mid-epoch, and bad values are one line before launch.
 
 Why period 1 equals DDP: with H=1 the averaged parameters (local SGD), or the outer step with lr 1 and no momentum
 applied to the averaged change (DiLoCo), are the mean of the replicas' updates: for SGD, whose update is linear in
@@ -26,6 +26,7 @@ from lightning_parallel.sync_methods import SYNC_METHODS
 from train import ConfigError, build
 
 STEPS = 20
+SAVED = 7  # the checkpoint resumed from: mid-period (4) and mid-epoch (10 steps)
 PLAIN, MOMENTUM = 0.0, 0.9
 FITS = {
     "ddp": {"strategy": "ddp", "momentum": PLAIN},
@@ -61,8 +62,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, A
     configs = []
     for name, config in FITS.items():
         config = {**config, "steps": STEPS, "save_dir": str(out / name) if config.get("save") else None}
-        if "resume" in config:  # the saving fit's step-10 checkpoint
-            config["resume"] = str(out / config["resume"] / "step=10.ckpt")
+        if "resume" in config:  # the saving fit's step-7 checkpoint
+            config["resume"] = str(out / config["resume"] / f"step={SAVED}.ckpt")
         configs.append(config)
     per_rank = run_workers("local_sgd", 2, configs, out / "launch", timeout=240)
     return {name: [per_rank[rank][i] for rank in range(2)] for i, name in enumerate(FITS)}
@@ -113,14 +114,14 @@ def test_replicas_equal_right_after_each_averaging_and_differ_between(
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["local_sgd_4", "diloco_4"])
 def test_resume_equals_an_uninterrupted_run(runs: dict[str, list[dict[str, Any]]], name: str) -> None:
-    # Saved at step 10, half-way through a period: each replica's own weights and momentum matter (Lightning alone
-    # would restart both replicas from rank 0's).
-    assert abs(runs[name][0]["sums"][9] - runs[name][1]["sums"][9]) > 1e-6  # the replicas differed at the save
+    # Saved at step 7, inside a period: each replica's own weights and momentum matter (Lightning alone would restart
+    # both replicas from rank 0's); and inside an epoch: the resumed epoch goes on at its 8th batch.
+    assert abs(runs[name][0]["sums"][SAVED - 1] - runs[name][1]["sums"][SAVED - 1]) > 1e-6  # replicas differed
     for rank in range(2):
         whole, resumed = runs[name][rank], runs[f"{name}_resumed"][rank]
-        assert len(resumed["losses"]) == STEPS - 10
-        assert max(abs(a - b) for a, b in zip(whole["losses"][10:], resumed["losses"], strict=True)) < 1e-6
-        assert max(abs(a - b) for a, b in zip(whole["sums"][10:], resumed["sums"], strict=True)) < 1e-6
+        assert len(resumed["losses"]) == STEPS - SAVED
+        assert max(abs(a - b) for a, b in zip(whole["losses"][SAVED:], resumed["losses"], strict=True)) < 1e-6
+        assert max(abs(a - b) for a, b in zip(whole["sums"][SAVED:], resumed["sums"], strict=True)) < 1e-6
         assert_states_close(resumed["state"], whole["state"], atol=1e-6)
 
 

@@ -21,12 +21,12 @@ from conftest import CONF, ROOT
 from distributed import free_port
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
-from lightning.fabric.plugins.environments import LightningEnvironment
 
+from lightning_parallel import rendezvous
 from lightning_parallel.checkpoint import export
 from lightning_parallel.dims import ParallelDims, PlacementError
-from lightning_parallel.rendezvous import bound_store, listen_address
-from lightning_parallel.strategies import mesh_processes
+from lightning_parallel.rendezvous import bound_store, listen_address, store_for
+from lightning_parallel.strategies.process_group import JOIN_TIMEOUT
 
 # 3 steps of SimpleCNN on digits; Lightning's own ModelCheckpoint writes the final weights at the end.
 TINY = ["trainer=cpu", "trainer.max_steps=3", "callbacks=none"]
@@ -221,34 +221,30 @@ def test_placement_that_splits_a_tp_group_is_named_on_every_rank() -> None:
 
 
 def test_the_store_listens_on_the_address_given_across_nodes() -> None:
-    """Node 0's address from MASTER_ADDR, never a loopback of our choosing; torchrun's agent store and host names
-    are left to torch."""
-    assert listen_address("10.1.2.3", environ={}) == "10.1.2.3"
-    assert listen_address("127.0.0.1", environ={}) == "127.0.0.1"
-    assert listen_address("node-0.cluster", environ={}) is None
-    assert listen_address("10.1.2.3", environ={"TORCHELASTIC_USE_AGENT_STORE": "True"}) is None
+    """Node 0's address from MASTER_ADDR, never a loopback of our choosing; host names are left to torch."""
+    assert listen_address("10.1.2.3") == "10.1.2.3"
+    assert listen_address("127.0.0.1") == "127.0.0.1"
+    assert listen_address("node-0.cluster") is None
 
 
-def test_the_strategy_hands_the_main_address_to_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_parallel import TensorParallelStrategy
-
-    bound: list[tuple[str, int]] = []
-    monkeypatch.setattr(
-        mesh_processes, "bound_store", lambda address, port, **_: bound.append((address, port)) or "store"
-    )
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
-    monkeypatch.setenv("MASTER_PORT", "29555")
-    strategy = TensorParallelStrategy()
-    strategy.cluster_environment = LightningEnvironment()
-    assert strategy._rendezvous() == {"store": "store"}
-    assert bound == [("10.1.2.3", 29555)]
+def test_the_main_address_goes_to_the_store_and_under_torchrun_to_the_attempts_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[tuple[str, str, int]] = []
+    for kind in ("bound", "attempt"):
+        monkeypatch.setattr(rendezvous, f"{kind}_store", lambda a, p, kind=kind, **_: calls.append((kind, a, p)))
+    monkeypatch.setattr(rendezvous, "join", lambda store, world_size: None)
+    timeout = JOIN_TIMEOUT
+    store_for("10.1.2.3", 29555, rank=0, world_size=4, timeout=timeout, environ={})
+    torchrun = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "job"}
+    store_for("10.1.2.3", 29400, rank=1, world_size=4, timeout=timeout, environ=torchrun)
+    assert calls == [("bound", "10.1.2.3", 29555), ("attempt", "10.1.2.3", 29400)]
 
 
 def test_a_store_bound_to_another_address_listens_there_only() -> None:
     """127.0.0.2 stands for node 0's network address: the listener is there, not on 127.0.0.1 or every interface."""
     port = free_port()
-    store = bound_store("127.0.0.2", port, rank=0, world_size=1, timeout=mesh_processes.JOIN_TIMEOUT)
+    store = bound_store("127.0.0.2", port, rank=0, world_size=1, timeout=JOIN_TIMEOUT)
     try:
         listening = set()
         for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:

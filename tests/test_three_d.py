@@ -1,7 +1,7 @@
 """Parity of pipeline x tensor (x data) parallelism, "3D": PipelineParallelStrategy with tensor_parallel_size > 1
 shards each stage's layers with the model's plan; losses and final parameters match one process with the same
-seed and global batch within 1e-5 (fp32), with clipping by one global norm and accumulation; bf16-mixed tracks
-one process's bf16 run."""
+seed and global batch within 1e-5 (fp32), with clipping by one global norm and accumulation, also resumed from a
+mid-epoch checkpoint; bf16-mixed tracks one process's bf16 run."""
 
 from __future__ import annotations
 
@@ -60,10 +60,15 @@ def test_pipeline_by_tensor_with_clipping_accumulation_bf16_and_fsdp_replicas(tm
         **config("gpt", "1f1b", 1, CLIP),
         "strategy": {"schedule": "1f1b", "data_parallel_size": 2, "replicas": "fsdp", "microbatches": 4},
     }
-    configs = [config("gpt", "1f1b", 1, CLIP), config("gpt", "1f1b", 1, BF16), fsdp]  # SimpleCNN: the 8-process test
+    saved = {**config("gpt", "1f1b", 1, CLIP), "save": [str(tmp_path / "saved"), 14]}  # 28 of 40 accumulated batches
+    resumed = {**config("gpt", "1f1b", 1, CLIP), "ckpt_path": str(tmp_path / "saved" / "step=14.ckpt")}
+    configs = [saved, config("gpt", "1f1b", 1, BF16), fsdp, resumed]  # SimpleCNN: the 8-process test
     per_rank = run_workers("three_d", 4, configs, tmp_path)
     clipped = reference("gpt", 16, **CLIP)
     assert_matches(per_rank, 0, clipped, dp=1)
+    # resumed from the step-14 checkpoint (mid-epoch): the rest of the uninterrupted run
+    assert_matches(per_rank, 3, (clipped[0][-len(per_rank[0][3]["losses"]) :], clipped[1]), dp=1)
+    assert len(per_rank[0][3]["losses"]) == len(clipped[0]) - 28  # 2 batches per optimizer step
     # dp2 x pp2 with FSDP2 replicas: the same training, each replica holding half of each block's parameters
     assert_matches(per_rank, 2, clipped, dp=2)
     assert per_rank[0][2]["parallel"]["replicas"] == "fsdp"

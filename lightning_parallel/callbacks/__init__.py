@@ -2,6 +2,7 @@
 
 from lightning_parallel.callbacks.exact_resume import ExactResume
 from lightning_parallel.callbacks.record_pretrained import RecordPretrained
+from lightning_parallel.callbacks.resume_record import ResumeRecord
 from lightning_parallel.callbacks.run_summary import RunSummary
 
-__all__ = ["ExactResume", "RecordPretrained", "RunSummary"]
+__all__ = ["ExactResume", "RecordPretrained", "ResumeRecord", "RunSummary"]

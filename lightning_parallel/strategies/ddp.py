@@ -17,6 +17,7 @@ from lightning_parallel.seams import finish_restored_epoch
 from lightning_parallel.strategies.arguments import check_timeout
 from lightning_parallel.strategies.module_access import ModuleAccess
 from lightning_parallel.strategies.peers import PeerFailure, check_nodes, stop_peers
+from lightning_parallel.strategies.process_group import name_the_hang, start_process_group
 from lightning_parallel.token_mean import step_over_replicas
 
 DEFAULT_TIMEOUT = default_pg_timeout  # Lightning's own default
@@ -68,6 +69,19 @@ class DDPStrategy(ModuleAccess, LightningDDPStrategy):
         super()._configure_launcher()
 
     @override
+    def setup_distributed(self) -> None:
+        # Our rendezvous (a store per torchrun attempt, a heartbeat); Lightning's then finds the group started.
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        backend, rank, size = self._get_process_group_backend(), self.global_rank, self.world_size
+        device = self.root_device if self.root_device.type != "cpu" else None  # as Lightning's own
+        timeout = self._timeout or DEFAULT_TIMEOUT
+        start_process_group(
+            self.cluster_environment, backend, rank=rank, world_size=size, timeout=timeout, device_id=device
+        )
+        super().setup_distributed()
+
+    @override
     def on_train_start(self) -> None:
         super().on_train_start()
         finish_restored_epoch(self.module.trainer)  # a second resume stays exact (seams.py says why)
@@ -76,5 +90,9 @@ class DDPStrategy(ModuleAccess, LightningDDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         self.peer_failure = stop_peers(
-            self.launcher, exception, node_rank=self.node_rank, num_processes=self.num_processes
+            self.launcher,
+            exception,
+            node_rank=self.node_rank,
+            num_processes=self.num_processes,
+            hang=name_the_hang(exception),
         )

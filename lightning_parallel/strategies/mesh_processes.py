@@ -21,7 +21,6 @@ from lightning.fabric.utilities.distributed import (
     DistributedSamplerWrapper,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
@@ -38,15 +37,12 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Samp
 from typing_extensions import override
 
 from lightning_parallel.dims import ParallelDims
-from lightning_parallel.rendezvous import bound_store, listen_address
 from lightning_parallel.seams import changed
 from lightning_parallel.strategies.arguments import check_backend, check_timeout
 from lightning_parallel.strategies.peers import PeerFailure, check_nodes, stop_peers
+from lightning_parallel.strategies.process_group import name_the_hang, start_process_group
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)  # Lightning's default is 30 minutes of a silent hang
-# How long rank 0's store waits for the other processes to start (importing torch and Lightning can take 10 s
-# on a loaded machine); a child that dies meanwhile ends the run at once through Lightning's process observer.
-JOIN_TIMEOUT = timedelta(minutes=5)
 
 
 class _ValidatingLauncher(_SubprocessScriptLauncher):
@@ -164,8 +160,9 @@ class MeshProcesses(ParallelStrategy):
         self.set_world_ranks()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
-        assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, **self._rendezvous())
+        start_process_group(
+            self.cluster_environment, backend, rank=self.global_rank, world_size=self.world_size, timeout=self._timeout
+        )
         self._dims = self.resolve_dims(self.world_size)
         self._check_placement()
         self._mesh = self.dims.build_mesh(self.root_device.type, timeout=self._timeout)
@@ -179,25 +176,6 @@ class MeshProcesses(ParallelStrategy):
         nodes: list[Any] = [None] * self.world_size
         dist.all_gather_object(nodes, self.node_rank)
         self.dims.check_tp_placement(nodes)
-
-    def _rendezvous(self) -> dict[str, Any]:
-        """A store listening on the main address only (loopback for one machine, MASTER_ADDR across nodes),
-        unless torchrun's agent hosts the store or the address is a host name (`rendezvous.listen_address`)."""
-        environment = self.cluster_environment
-        assert environment is not None
-        if _distributed_is_initialized():
-            return {}  # a later fit in the same processes reuses the group (and its store)
-        address = listen_address(environment.main_address)
-        if address is None:
-            return {}
-        store = bound_store(
-            address,
-            environment.main_port,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            timeout=max(self._timeout, JOIN_TIMEOUT),  # a short `timeout` is for hung collectives, not slow starts
-        )
-        return {"store": store}
 
     def _take_over_sampler_injection(self) -> None:
         """Lightning injects a shuffling DistributedSampler into the training loader of any distributed
@@ -252,7 +230,11 @@ class MeshProcesses(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self.peer_failure = stop_peers(
-            self.launcher, exception, node_rank=self.node_rank, num_processes=self.num_processes
+            self.launcher,
+            exception,
+            node_rank=self.node_rank,
+            num_processes=self.num_processes,
+            hang=name_the_hang(exception),
         )
 
     @override

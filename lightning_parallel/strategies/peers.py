@@ -1,5 +1,5 @@
-"""A run's other processes: refuse a node count nothing can satisfy, and when a launched rank dies, name it
-first and stop the others.
+"""A run's other processes: refuse a node count nothing can satisfy, and when a launched rank dies (or one a
+collective waited for stops answering), name it first and stop the others.
 
 Lightning kills the processes it launched only on Ctrl+C; after any other error a peer stuck in a collective
 or in user code would be left running. Used by the mesh strategies and by our DDP.
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+from lightning_parallel.heartbeat import Hang
 
 # How a peer's death shows up on the survivors (gloo, nccl and the store).
 LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistNetworkError")
@@ -74,17 +76,22 @@ def first_dead(procs: list[subprocess.Popen], first_rank: int, wait: float) -> P
         time.sleep(0.05)
 
 
-def stop_peers(launcher: object, error: BaseException, *, node_rank: int, num_processes: int) -> PeerFailure | None:
-    """On the launching process: find which launched rank died first (when `error` says a peer was lost, give
-    it a moment to finish exiting), print one line naming it (or saying a peer hung), then kill every launched
-    rank."""
-    if not isinstance(launcher, _SubprocessScriptLauncher) or not launcher.procs:
-        return None
-    wait = 5.0 if lost_a_peer(error) else 0.0
-    failure = first_dead(launcher.procs, node_rank * num_processes + 1, wait)
-    launcher.kill(signal.SIGKILL)
-    line = str(failure) if failure is not None else None
-    if line is None and "Timed out" in str(error):
+def stop_peers(
+    launcher: object, error: BaseException, *, node_rank: int, num_processes: int, hang: Hang | None = None
+) -> PeerFailure | None:
+    """After `error`, print one line naming its cause, when known, and stop every rank this process launched: the
+    launched rank that died first (when `error` says a peer was lost, it gets a moment to finish exiting), else the
+    rank a timed-out collective waited for (`hang`, from the heartbeats), else that a peer hung. Under torchrun or
+    SLURM nothing was launched here: only `hang` is told, and the launcher stops the rest."""
+    launched = isinstance(launcher, _SubprocessScriptLauncher) and bool(launcher.procs)
+    failure = None
+    if launched:
+        assert isinstance(launcher, _SubprocessScriptLauncher)
+        wait = 5.0 if lost_a_peer(error) else 0.0
+        failure = first_dead(launcher.procs, node_rank * num_processes + 1, wait)
+        launcher.kill(signal.SIGKILL)
+    line = str(failure) if failure is not None else f"{hang.line}. HINT: {hang.hint}" if hang is not None else None
+    if line is None and launched and "Timed out" in str(error):
         line = (
             f"a collective timed out on rank {node_rank * num_processes}: another rank is alive but stuck (in its "
             "own code or in a different collective); every rank is stopped. HINT: if a step legitimately takes "

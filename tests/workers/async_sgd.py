@@ -1,6 +1,7 @@
 """Asynchronous SGD scenarios on SimpleCNN over digits (one launch each, see tests/test_async_sgd.py):
-"parity": one worker served by the parameter server against one plain process; "resume": a 2-worker run saved and
-resumed. SGD runs fused (the kernel CUDA users ask for), on the server as on the workers."""
+"parity": one worker served by the parameter server against one plain process, and that served run resumed from its
+mid-epoch step-7 checkpoint; "resume": a 2-worker run saved and resumed. SGD runs fused (the kernel CUDA users ask
+for), on the server as on the workers."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from common import payload
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
-from lightning_parallel.callbacks import RunSummary
+from lightning_parallel.callbacks import ExactResume, RunSummary
 from lightning_parallel.data import DigitsDataModule
 from lightning_parallel.models import SimpleCNN
 from lightning_parallel.strategies.async_sgd import AsyncSGDStrategy
@@ -58,10 +60,15 @@ class StartState(pl.Callback):
         self.optimizer = copy.deepcopy(trainer.strategy.optimizer_state(trainer.optimizers[0]))  # live tensors
 
 
-def fit(strategy: Any, steps: int, *, ckpt_path: str | None = None) -> tuple[pl.Trainer, ClassificationTask, dict]:
+def fit(
+    strategy: Any, steps: int, *, ckpt_path: str | None = None, save: Path | None = None
+) -> tuple[pl.Trainer, ClassificationTask, dict]:
     pl.seed_everything(0, verbose=False)
     data = DigitsDataModule(batch_size=32, seed=0)
     recorder, start = RunSummary(), StartState()
+    callbacks: list[pl.Callback] = [recorder, start, ExactResume()]
+    if save is not None:  # 44 batches an epoch: step 7 lies inside the first
+        callbacks.append(ModelCheckpoint(dirpath=save, filename="{step}", save_top_k=-1, every_n_train_steps=7))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=WORLD_SIZE if isinstance(strategy, AsyncSGDStrategy) else 1,
@@ -69,11 +76,11 @@ def fit(strategy: Any, steps: int, *, ckpt_path: str | None = None) -> tuple[pl.
         max_steps=steps,
         limit_val_batches=0,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=save is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[recorder, start],
+        callbacks=callbacks,
     )
     task = ClassificationTask(
         SimpleCNN(**data.model_hints),
@@ -94,13 +101,16 @@ def main() -> None:
     result: dict[str, Any] = {}
     if config["scenario"] == "parity":
         _, plain, plain_run = fit(SingleDeviceStrategy(device=torch.device("cpu")), 20)
-        trainer, task, run = fit(ServedAlone(), 20)
+        trainer, task, run = fit(ServedAlone(), 20, save=Path(out) / "served")
+        _, resumed, resumed_run = fit(ServedAlone(), 20, ckpt_path=str(Path(out) / "served" / "step=7.ckpt"))
         result = {
             "plain_losses": plain_run["losses"],
             "async_losses": run["losses"],
             "plain": state(plain),
             "async": state(task),
             "describe": trainer.strategy.describe(),
+            "resumed_losses": resumed_run["losses"],
+            "resumed": state(resumed),
         }
     elif config["scenario"] == "resume":
         ckpt = Path(out) / "saved.ckpt"

@@ -14,8 +14,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_parallel.callbacks import RunSummary
+from lightning_parallel.callbacks import ExactResume, RunSummary
 from lightning_parallel.data import SyntheticTokensDataModule
 from lightning_parallel.models import GPT
 from lightning_parallel.strategies.tensor import TensorParallelStrategy
@@ -48,6 +49,8 @@ def fit_model(
     task_class: type[pl.LightningModule] | None = None,
     val_batches: int = 0,
     optimizer: tuple[str, dict[str, Any]] | None = None,
+    save: tuple[str, int] | None = None,
+    ckpt_path: str | None = None,
     **trainer_kwargs: Any,
 ) -> tuple[pl.LightningModule, list[float], pl.Trainer]:
     """Fit a tiny "gpt" (4 heads, so TP=4 works), "gpt6" (TINY_GPT), "simple_cnn" or "resnet18" with SGD;
@@ -57,6 +60,8 @@ def fit_model(
     `optimizer` (a torch.optim class name and its arguments) replaces the default SGD.
     `val_batches` > 0 lets a later `trainer.validate(task, datamodule=trainer.datamodule)` run that many batches
     (an epoch is 2 x steps batches, so fit itself ends before its first validation).
+    `save` (a directory, every n steps) writes `step=<n>.ckpt` checkpoints; `ckpt_path` resumes from one (exactly, also
+    mid-epoch: `ExactResume`).
     """
     from lightning_parallel.data import SyntheticImagesDataModule
     from lightning_parallel.tasks import ClassificationTask
@@ -77,6 +82,10 @@ def fit_model(
             seed=seed,
         )
     recorder = RunSummary()
+    callbacks: list[pl.Callback] = [recorder, ExactResume()]
+    if save is not None:
+        saving = ModelCheckpoint(dirpath=save[0], filename="{step}", save_top_k=-1, every_n_train_steps=save[1])
+        callbacks.append(saving)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -84,11 +93,11 @@ def fit_model(
         max_steps=steps,
         limit_val_batches=val_batches,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=save is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[recorder],
+        callbacks=callbacks,
         **trainer_kwargs,
     )
     # empty_init=True: the tensor strategy materialises one layer at a time (the pipeline builds on meta anyway)
@@ -107,7 +116,7 @@ def fit_model(
         task = (task_class or ClassificationTask)(
             network, num_classes=4, optimizer=chosen or partial(torch.optim.SGD, **rate)
         )
-    trainer.fit(task, datamodule=data)
+    trainer.fit(task, datamodule=data, ckpt_path=ckpt_path)
     return task, recorder.history["train/loss"], trainer
 
 

@@ -1,5 +1,5 @@
 """Worker: fit the tiny GPT once per payload entry under ddp, local_sgd or diloco (2 replicas, plain or momentum
-SGD), recording each step's parameter checksum on this rank; optionally checkpoint every 10 steps or resume.
+SGD), recording each step's parameter checksum on this rank; optionally checkpoint every 7 steps or resume.
 
 Payload: [{"strategy": "ddp" | "local_sgd" | "diloco", "args": {...}, "steps", "momentum", "kernel"?, "save_dir",
 "resume"}] ("kernel": SGD's {"foreach": true} or {"fused": true}).
@@ -17,14 +17,14 @@ from common import local_state, payload, tiny_network
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_parallel import DiLoCoStrategy, LocalSGDStrategy
-from lightning_parallel.callbacks import RunSummary
+from lightning_parallel.callbacks import ExactResume, RunSummary
 from lightning_parallel.data import SyntheticTokensDataModule
 from lightning_parallel.strategies.ddp import DDPStrategy
 from lightning_parallel.tasks import LanguageModelTask
 
 GLOBAL_BATCH = 16
-# int(178 * 0.9) = 160 training sequences = 10 global batches per epoch: the step-10 checkpoint ends an epoch (Lightning
-# restarts a plain DataLoader's epoch on resume, so a checkpoint inside an epoch would not resume on the same batches).
+# int(178 * 0.9) = 160 training sequences = 10 global batches per epoch: the step-7 checkpoint lies inside an epoch
+# (ExactResume moves the resumed epoch to its saved batch; Lightning alone would restart it at its first batch).
 SAMPLES = 178
 
 
@@ -56,9 +56,9 @@ def fit(config: dict[str, Any]) -> dict[str, Any]:
         vocab_size=16, seq_len=8, num_samples=SAMPLES, batch_size=GLOBAL_BATCH // 2, seed=0
     )
     recorder, checksums = RunSummary(), Checksums()
-    callbacks: list[pl.Callback] = [recorder, checksums]
+    callbacks: list[pl.Callback] = [recorder, checksums, ExactResume()]
     if config.get("save_dir"):
-        every = ModelCheckpoint(dirpath=config["save_dir"], filename="{step}", save_top_k=-1, every_n_train_steps=10)
+        every = ModelCheckpoint(dirpath=config["save_dir"], filename="{step}", save_top_k=-1, every_n_train_steps=7)
         callbacks.append(every)
     trainer = pl.Trainer(
         accelerator="cpu",

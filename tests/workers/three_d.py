@@ -20,6 +20,8 @@ for config in configs:
         replicas=config["strategy"].get("data_parallel_size", 1),
         steps=config["steps"],
         optimizer=config.get("optimizer"),
+        save=config.get("save"),
+        ckpt_path=config.get("ckpt_path"),
         **config.get("trainer", {}),
     )
     state = {name: t for name, t in full_state(task.model).items() if name in dict(task.model.named_parameters())}
