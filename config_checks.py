@@ -183,7 +183,10 @@ def resolve_checkpoint(cfg: DictConfig) -> str | None:
     if not path.exists():
         raise ConfigError(f"ckpt_path={value} does not exist. HINT: give a run directory or its checkpoints/*.ckpt")
     if path.is_dir() and not path.name.endswith(".ckpt"):  # a run directory
-        found = newest_checkpoint(path, weights_only=weights_only)
+        passed_over: list[str] = []
+        found = newest_checkpoint(path, weights_only=weights_only, passed_over=passed_over)
+        if found is None and passed_over:  # the newest one's damage, in its own words (with its HINT)
+            raise ConfigError(f"{path} holds no complete checkpoint: {passed_over[0]}")
         if found is None:
             raise ConfigError(
                 f"{path} holds no complete checkpoint (*.ckpt). HINT: give ckpt_path=<a .ckpt file> directly"
@@ -192,10 +195,11 @@ def resolve_checkpoint(cfg: DictConfig) -> str | None:
     return str(path)
 
 
-def newest_checkpoint(run: Path, *, weights_only: bool = True) -> Path | None:
+def newest_checkpoint(run: Path, *, weights_only: bool = True, passed_over: list[str] | None = None) -> Path | None:
     """The most recently written complete checkpoint anywhere under a run directory (`last.ckpt` on a tie), None if
     there is none. Interrupted saves are undone first (`checkpoint.recover`: a `.partial` write removed, a checkpoint
-    renamed aside put back); a checkpoint cut short (a missing or short shard, a truncated file) is passed over."""
+    renamed aside put back); a checkpoint cut short (a missing or short shard, a truncated file) is passed over, its
+    one-line reason appended to `passed_over`."""
     for folder in {p.parent for pattern in ("*.partial", "*.old") for p in run.rglob(pattern)}:
         recover_shared(folder)
     candidates = [p for p in run.rglob("*.ckpt") if p.is_file() or is_sharded_checkpoint(p)]
@@ -207,6 +211,8 @@ def newest_checkpoint(run: Path, *, weights_only: bool = True) -> Path | None:
             raise
         except (ValueError, FileNotFoundError) as error:
             warnings.warn(f"passing over an incomplete checkpoint: {error}", stacklevel=2)
+            if passed_over is not None:
+                passed_over.append(str(error))
             continue
         return path
     return None

@@ -29,6 +29,7 @@ from lightning_parallel import TensorParallelStrategy  # noqa: E402
 from lightning_parallel.models import GPT  # noqa: E402
 from lightning_parallel.strategies.tensor import resolve_plan  # noqa: E402
 from lightning_parallel.tensor.hf_plans import TRANSFORMERS_STYLES, compose_plan, transformers_plan  # noqa: E402
+from lightning_parallel.tensor.packed import copy_back, savable  # noqa: E402
 from lightning_parallel.tensor.plans import apply_plan, expand_plan, retie  # noqa: E402
 from lightning_parallel.tensor.structure import structural_plan  # noqa: E402
 from lightning_parallel.tensor.styles import STYLE_TRAITS, TRANSFORMERS_REFUSED  # noqa: E402
@@ -189,6 +190,16 @@ def test_a_sharded_gpt2_holds_its_heads_and_computes_with_local_counts() -> None
         assert weight.to_local().shape == (32, 48)  # (in, q | k | v of 2 heads of 8)
         logits = model(input_ids=torch.zeros(2, 16, dtype=torch.long)).logits
         assert logits.shape == (2, 16, 64)
+
+
+def test_values_a_checkpoint_load_replaces_reach_the_state_it_was_loaded_for() -> None:
+    """torch.distributed.checkpoint fills tensors in place but replaces other values (an optimizer's learning rate,
+    a step count) in the dict it loads into, which for a packed model is `savable(state)`'s copy."""
+    state = {"optimizer_0": {"param_groups": [{"lr": 0.1, "params": ["w"]}], "state": {"w": {"step": 1}}}}
+    view = savable(state)
+    view["optimizer_0"]["param_groups"][0]["lr"], view["optimizer_0"]["state"]["w"]["step"] = 0.02, 7  # as a load does
+    copy_back(state, view)
+    assert state["optimizer_0"]["param_groups"][0]["lr"] == 0.02 and state["optimizer_0"]["state"]["w"]["step"] == 7
 
 
 def test_a_tied_parameter_is_split_alike_under_each_name_or_refused() -> None:

@@ -80,11 +80,18 @@ def savable(state: Any) -> Any:
 
 
 def copy_back(state: Any, view: Any) -> None:
-    """Copy what was loaded into `savable(state)`'s new tensors back into `state`'s interleaved shards."""
-    for original, loaded in zip(pytree.tree_leaves(state), pytree.tree_leaves(view), strict=True):
+    """Copy what was loaded into `savable(state)` back into `state`: its new tensors into the interleaved shards, and
+    every value the load replaced rather than filled in (an optimizer's learning rate, a step count) as it is."""
+    keys = state.keys() if isinstance(state, dict) else range(len(state))
+    for key in keys:
+        original, loaded = state[key], view[key]
         if isinstance(original, DTensor) and loaded is not original:
             with torch.no_grad():
                 original.copy_(loaded)  # DTensor redistributes to the original's placements
+        elif isinstance(original, dict | list):
+            copy_back(original, loaded)
+        elif loaded is not original:
+            state[key] = loaded
 
 
 def _contiguous(tensor: DTensor) -> DTensor:
