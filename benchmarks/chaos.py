@@ -1,7 +1,7 @@
 """Chaos: the torchrun command a user runs (`--max-restarts`, `ckpt_path=last`, a checkpoint every few steps) while a
 killer thread SIGKILLs a random worker at random steps, for pipeline (pp2), tensor (tp2) and DiLoCo (2 replicas), each
 against the same command uninterrupted: restarts, steps and wall time lost, final loss and weights. Writes
-results/chaos.{json,md}. Usage: .venv/bin/python benchmarks/chaos.py [--quick] [--strategies pipeline tensor diloco]
+results/chaos.{json,md}. Usage: .venv/bin/python benchmarks/chaos.py [--seed 0] [--kills 3] [--quick] [--strategies ...]
 
 The kill choices (which rank, which kind of moment, how far into the attempt) come from `--seed`; the instants are
 wall-clock, so each kill records the step it landed on. It tests nothing by itself: `tests/test_chaos.py` checks the
@@ -284,7 +284,7 @@ def table(report: dict[str, Any]) -> str:
     size = report["size"]
     lines += [f"{report['date']}; seed {report['seed']}; {size['steps']} steps, a checkpoint every {size['every']}; "
               f"model=transformer {' '.join(size['model'])}".rstrip(), ""]  # fmt: skip
-    head = ["strategy", "completed", "kills (rank kind@after step)", "restarts", "resumes (from, steps lost)",
+    head = ["strategy", "completed", "kills (rank kind@after step)", "restarts", "resumes: from step (steps lost)",
             "steps lost", "wall straight / chaos s", "wall lost s (recorded)", "final loss straight / chaos",
             "loss max diff", "weights max diff", "other cores"]  # fmt: skip
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -295,7 +295,7 @@ def table(report: dict[str, Any]) -> str:
         if not row["completed"]:
             lines.append(f"| {name} | no: {row['error']} | {kills} | {row['restarts']} |" + " |" * 8)
             continue
-        cells = [name, "yes", kills, str(row["restarts"]), ", ".join(f"{f}, {s}" for f, s in row["resumes"]),
+        cells = [name, "yes", kills, str(row["restarts"]), ", ".join(f"{f} ({s})" for f, s in row["resumes"]),
                  str(row["steps_lost"]), "{:.0f} / {:.0f}".format(*row["wall_s"]),
                  f"{row['wall_lost_s']:.0f} ({row['wall_lost_recorded_s']:.0f})",
                  "{:.5f} / {:.5f}".format(*row["final_loss"]), f"{row['loss_max_diff']:.1e}",
@@ -308,10 +308,12 @@ NOTES = """Each strategy runs the same torchrun command twice (2 CPU processes, 
 `ckpt_path=last`): straight, and with a thread SIGKILLing a worker: `step` at a random step, `save` right after a
 checkpoint step finished (while the checkpoint is written; "(writing)": a `.partial` write was seen), `setup` while a
 restarted attempt imports, rendezvouses and loads its checkpoint (seconds after its workers started). "after step": the
-last step rank 0 had finished. Steps lost and "recorded" wall time lost are summary.json's `resumes` (from each
-checkpoint's save until training again); "wall lost" is the chaos run's wall time less the straight run's. Loss max
-diff: over the steps of the last attempt; weights: the final checkpoints. Wall times are noisy: the machine is shared,
-and "other cores" is how many cores other processes kept busy (straight / chaos)."""
+last step rank 0 had finished. Resumes, steps lost and "recorded" wall time lost are summary.json's `resumes` (from
+each checkpoint's save until training again; a resume from step 0: no checkpoint was complete yet, timed from the lost
+attempt's start of training); a kill in a restart's setup adds no resume of its own, its time falls in the next one.
+"wall lost" is the chaos run's wall time less the straight run's. Loss max diff: over the steps of the last attempt;
+weights: the final checkpoints. Wall times are noisy: the machine is shared, and "other cores" is how many cores other
+processes kept busy (straight / chaos)."""
 
 
 def kept(result: dict[str, Any]) -> dict[str, Any]:

@@ -53,7 +53,7 @@ def test_the_report_sums_the_resumes_and_compares_the_last_attempts_losses_with_
     assert row["kills"] == 2 and row["planned"] == 3
     report = {"machine": "m", "date": "d", "seed": 0, "size": {"steps": 6, "every": 2, "model": []}}
     text = table(report | {"strategies": {"tensor": {"row": row, "chaos": chaos}}})
-    assert "| tensor | yes | r1 step@3, r1 step@3 (2 of 3 fired) | 2 | 2, 1, 3, 2 | 3 |" in text
+    assert "| tensor | yes | r1 step@3, r1 step@3 (2 of 3 fired) | 2 | 2 (1), 3 (2) | 3 |" in text
 
 
 def test_a_run_that_did_not_finish_is_a_row_saying_why() -> None:
