@@ -1,7 +1,7 @@
 """Set-up step "materialise and shard": the parameters this rank keeps get storage and the values one process would
 give them (`weights.py`), a planned layer at a time, each sharded over "tp" as soon as it has them, so no rank ever
 holds even its own part unsharded. At tp=1 (or without a plan) the part is materialised whole. A network built for
-real instead starts from its first peer's values. Which layers and styles: `plan.py`; DTensor mechanics: `tensor/`.
+real is moved instead, sharded from its first peer's values. Which layers and styles: `plan.py`; DTensor: `tensor/`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def materialize_stages(
     """This pipeline rank's blocks (the whole network at pp=1), sharded over the "tp" dimension of `mesh` as `plan`
     says; returns the most parameter bytes held on the way. Stages split by tracing: the planned layers only hold
     DTensor shards, which traced stages compute on (`tensor/traced_stages.run_on_mesh`); otherwise torch's styles
-    wrap their forwards. A network built for real starts from its first tensor peer's values."""
+    wrap their forwards. At tp > 1 a network built for real starts from its first tensor peer's values."""
     if plan is None:
         materialize(network, device)
         return parameter_bytes(network)
@@ -37,7 +37,6 @@ def materialize_stages(
         broadcast_module(network, mesh.get_group("tp"))
     held = {name for name, mod in network.named_modules() if any(True for _ in mod.parameters())}
     local = {name: style for name, style in plan[1].items() if name in held}  # pruned blocks are Identity
-
     traced = stages is not None and stages.traced
 
     def shard(name: str) -> None:
