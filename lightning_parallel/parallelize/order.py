@@ -15,8 +15,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_parallel.blocks import blocks_of, checkpoint_activations, compile_blocks, repeated_kinds
+from lightning_parallel.blocks import blocks_of, repeated_kinds
 from lightning_parallel.dims import ParallelDims
+from lightning_parallel.parallelize.checkpointing import checkpoint_activations
+from lightning_parallel.parallelize.compilation import compile_blocks
 from lightning_parallel.parallelize.materialize import materialize_layers, materialize_stages
 from lightning_parallel.parallelize.plan import Plan, plan_layers, plan_stages
 from lightning_parallel.parallelize.replicas import shard_layers_over_replicas, shard_stages_over_replicas
@@ -103,14 +105,15 @@ def parallelize_pipeline(network: nn.Module, s: PipelineSettings, inputs: Callab
     plan = plan_stages(network, s.plan, dims=dims, stages=stages, replicas=s.replicas)
     # 3. prune: this rank keeps its own stages' blocks (on the meta device still, when built there)
     keep_own_stages(stages, mesh)
-    # 4. materialise and shard: one process's values, each planned layer sharded over "tp" as it gets them
+    # 4. materialise and shard: one process's values, each planned layer sharded over "tp" as it gets them (one
+    #    step, not two: no rank ever holds even its own part unsharded)
     peak = materialize_stages(network, plan, stages, mesh, device)
     # 5. tie: a parameter shared by stages on several ranks starts from one value on all of them
     tie_across_stages(network, stages, mesh)
     blocks = blocks_of(network)  # this rank's blocks, sharded
-    # 6. activation checkpointing, per block
+    # 6. activation checkpointing, per block of the repeating kinds
     checkpoint_activations([b for b in blocks if type(b) in repeated], s.activation_checkpointing)
-    # 7. compile, per block
+    # 7. compile, per block (the checkpointed forward with it)
     compiled = compile_blocks(blocks, s.compile_options)
     # 8. replicas: FSDP2 over "dp" wraps each block (replicas="fsdp"; "replicate" all-reduces at each step)
     shard_stages_over_replicas(network, stages, mesh, replicas=s.replicas, dp=dims.dp)
@@ -130,9 +133,9 @@ def parallelize_tensor(module: nn.Module, network: nn.Module, s: TensorSettings,
     # 4. materialise and shard: one process's values, each planned layer sharded over "tp" as it gets them
     peak = materialize_layers(network, plan, mesh, device, tp=dims.tp, sequence_parallel=s.sequence_parallel)
     blocks = blocks_of(network)  # the network's blocks, sharded
-    # 6. activation checkpointing, per block
+    # 6. activation checkpointing, per block of the repeating kinds
     checkpoint_activations([b for b in blocks if type(b) in repeated], s.activation_checkpointing)
-    # 7. compile, per block
+    # 7. compile, per block (the checkpointed forward with it)
     compiled = compile_blocks(blocks, s.compile_options)
     # 8. replicas: FSDP2 over "dp" wraps each block, then the network (unless configure_model() did)
     shard_layers_over_replicas(module, network, mesh, dp=dims.dp)

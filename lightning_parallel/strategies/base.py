@@ -22,8 +22,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_parallel.blocks import ACTIVATION_CHECKPOINTING, refuse_unrepeatable
 from lightning_parallel.parallelize import SetUp
+from lightning_parallel.parallelize.checkpointing import ACTIVATION_CHECKPOINTING, refuse_unrepeatable
 from lightning_parallel.parameter_kinds import refuse_unsteppable, then_by_kind
 from lightning_parallel.precision import clip_grad_norm_global
 from lightning_parallel.seams import changed, fused_steps_on_dtensor
@@ -43,8 +43,9 @@ class MeshStrategy(ModuleAccess, ShardedCheckpoints):
     Args:
         timeout: how long a collective may wait before the run fails (seconds or a timedelta).
         process_group_backend: None picks gloo on CPU and nccl on GPU.
-        activation_checkpointing: per block (`blocks.ACTIVATION_CHECKPOINTING`): "none", "full" (recompute each
-            block's forward in backward) or "selective" (keep matmul, attention and convolution outputs).
+        activation_checkpointing: per block (`parallelize/checkpointing.ACTIVATION_CHECKPOINTING`): "none", "full"
+            (recompute each block's forward in backward) or "selective" (keep matmul, attention and convolution
+            outputs).
         compile: `torch.compile` each block after it is sharded and before replicas wrap it: True, or a dict of
             `torch.compile` arguments (e.g. {"mode": "max-autotune"}); False for eager.
     """
@@ -111,7 +112,8 @@ class MeshStrategy(ModuleAccess, ShardedCheckpoints):
         """The LightningModule's network (on a pipeline rank: pruned to its own stages' blocks)."""
 
     def check_block_options(self, network: nn.Module) -> None:
-        """Before launch: what activation checkpointing cannot repeat exactly is refused (`blocks.py`)."""
+        """Before launch: what activation checkpointing cannot repeat exactly is refused
+        (`parallelize/checkpointing.py`)."""
         refuse_unrepeatable(network, self.activation_checkpointing)
 
     def describe_blocks(self) -> dict[str, Any]:

@@ -34,8 +34,6 @@ from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
 from lightning_parallel.tensor.plans import STYLES, keep_gradients_sharded
 from lightning_parallel.weights import materialize
 
-__all__ = ["TensorParallelStrategy", "check_plan_argument", "resolve_plan"]
-
 
 class TensorParallelStrategy(MeshStrategy):
     """Tensor parallelism (optionally x data parallelism) as a Lightning strategy; devices = dp x tp.

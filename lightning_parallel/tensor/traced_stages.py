@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx, nn
@@ -37,8 +37,10 @@ from torch.utils import _pytree as pytree
 
 from lightning_parallel.tensor.styles import STYLE_TRAITS
 
+if TYPE_CHECKING:
+    from lightning_parallel.pipeline.runtime import StageFactory  # a type only: tensor/ imports no pipeline code
+
 aten = torch.ops.aten
-StageFactory = Callable[[tuple[torch.Tensor, ...]], dict[int, nn.Module]]  # `pipeline/runtime.py`'s, per shape
 _DONE = "_lightning_parallel_tp_mesh"  # set on a traced stage once its graphs run on a mesh
 
 
