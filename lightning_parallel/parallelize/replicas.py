@@ -1,7 +1,7 @@
 """Set-up step "replicas": FSDP2 over "dp" shards each block's parameters, gradients and optimizer state across
 data-parallel replicas (torch reduce-scatters gradients in each backward), after the blocks are sharded over "tp",
 checkpointed and compiled. Nothing at dp=1, or where replicas are kept equal by an all-reduce at the optimizer step
-(the pipeline's replicas="replicate"; `replicas.average_`).
+(the pipeline's replicas="replicate"; `replicas.average_`). Also which mesh dimensions a parameter spans (`spans`).
 """
 
 from __future__ import annotations
@@ -53,6 +53,16 @@ def shard_layers_over_replicas(module: nn.Module, network: nn.Module, mesh: Devi
             "dimension, so replicas would drift apart. HINT: keep every parameter inside the network, or call "
             "fully_shard(..., mesh=self.device_mesh['dp']) on them in configure_model()"
         )
+
+
+def modules_split_over(network: nn.Module, dim: str) -> set[str]:
+    """The modules holding a parameter of their own split along mesh dimension `dim` (for the tensor strategy's
+    report: the layers a plan, or `configure_model()`, sharded over "tp")."""
+    return {
+        name
+        for name, module in network.named_modules()
+        if any(spans(p, dim, sharded=True) for p in module.parameters(recurse=False))
+    }
 
 
 def spans(param: torch.Tensor, dim: str, *, sharded: bool = False) -> bool:

@@ -27,7 +27,7 @@ from typing_extensions import override
 from lightning_parallel.dims import ParallelDims
 from lightning_parallel.parallelize import SetUp, parallelize_tensor
 from lightning_parallel.parallelize.plan import resolve_plan
-from lightning_parallel.parallelize.replicas import spans
+from lightning_parallel.parallelize.replicas import modules_split_over
 from lightning_parallel.replicas import average_
 from lightning_parallel.strategies.arguments import check_bool, check_choice, check_int, check_name, reject
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
@@ -161,11 +161,11 @@ class TensorParallelStrategy(MeshStrategy):
     ) -> dict[str, Any]:
         sharded: dict[str, str] = {}
         replicated: list[str] = []
+        split = modules_split_over(network, "tp")
         for name, mod in network.named_modules():
-            params = list(mod.parameters(recurse=False))
-            if any(spans(p, "tp", sharded=True) for p in params):
+            if name in split:
                 sharded[name] = plan.get(name, "custom")
-            elif params:
+            elif any(True for _ in mod.parameters(recurse=False)):
                 replicated.append(name)
         local = sum(_local(p).numel() * p.element_size() for p in network.parameters())
         per_rank: list[int] = [0] * self.world_size
