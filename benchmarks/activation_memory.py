@@ -23,7 +23,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 sys.path.insert(0, str(ROOT))
 
-from lightning_parallel.blocks import blocks_of, checkpoint_activations  # noqa: E402
+from lightning_parallel.blocks import blocks_of  # noqa: E402
+from lightning_parallel.parallelize.checkpointing import checkpoint_activations  # noqa: E402
 from lightning_parallel.planner import CostModel, Layout  # noqa: E402
 from lightning_parallel.planner.presets import hardware_preset  # noqa: E402
 from plan import build_workload  # noqa: E402
@@ -49,7 +50,7 @@ def measure(mode: str) -> dict[str, Any]:
 
 def tensor_peak(mode: str) -> int:
     """Peak live tensor bytes over one AdamW step after a warm-up step, the blocks checkpointed as the strategies do
-    (`blocks.checkpoint_activations`), in this process."""
+    (`parallelize/checkpointing.checkpoint_activations`), in this process."""
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[*MODEL, *DATA])
     data = instantiate(cfg.data)

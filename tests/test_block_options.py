@@ -1,7 +1,7 @@
 """Activation checkpointing and compile under the strategies: each layout with them matches one process without them
 (losses and final weights within 1e-5, fp32), with gradient clipping, accumulation and an LR scheduler, and a
 checkpoint saved by a compiled, checkpointed run resumes in an eager one. The set-up order puts them after sharding
-and before replicas (`MeshStrategy.setup`). Per-block mechanics in one process: test_blocks.py.
+and before replicas (`parallelize/order.py`). Per-block mechanics in one process: test_blocks.py.
 
 Inductor compiles the 2-process layouts; the 4-process ones use `backend="aot_eager"` (TorchDynamo and AOTAutograd,
 no code generation), since four ranks generating C++ on two cores would take minutes.

@@ -1,6 +1,7 @@
-"""Per-block activation checkpointing and compile (`lightning_parallel/blocks.py`) in one process: the same losses and
-weights as eager without them, parameter names unchanged, fewer activations kept, real compilation; and what they
-cannot do refused before launch. Under the strategies and their layouts: test_block_options.py."""
+"""Per-block activation checkpointing and compile (`lightning_parallel/parallelize/checkpointing.py`,
+`compilation.py`) in one process: the same losses and weights as eager without them, parameter names unchanged, fewer
+activations kept, real compilation; and what they cannot do refused before launch. Under the strategies and their
+layouts: test_block_options.py."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.blocks import blocks_of, checkpoint_activations, compile_blocks, refuse_unrepeatable
+from lightning_parallel.blocks import blocks_of
 from lightning_parallel.models import GPT
+from lightning_parallel.parallelize.checkpointing import checkpoint_activations, refuse_unrepeatable
+from lightning_parallel.parallelize.compilation import compile_blocks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from user_modules import NETWORKS, build, loader  # noqa: E402

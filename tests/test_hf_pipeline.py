@@ -291,7 +291,7 @@ def test_gpt2_checkpoint_saved_on_two_stages_resumes_on_four_like_an_uninterrupt
 def test_older_torch_refuses_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """On torch 2.11 / 2.12 labels crossing stages and tensor parallelism inside traced stages fail deep in torch
     (measured); they stop before the first step instead, naming the version."""
-    from lightning_parallel.strategies.stage_sharding import refuse_traced_sharding
+    from lightning_parallel.parallelize.plan import refuse_traced_sharding
 
     monkeypatch.setattr(torch, "__version__", "2.12.1+cpu")
     ids = torch.randint(0, VOCAB, (4, SEQ))

@@ -27,7 +27,7 @@ from hf_modules import HFLlama, bert, exported_logits_gap, fit, gpt2, llama, tok
 
 from lightning_parallel import TensorParallelStrategy  # noqa: E402
 from lightning_parallel.models import GPT  # noqa: E402
-from lightning_parallel.strategies.tensor import resolve_plan  # noqa: E402
+from lightning_parallel.parallelize.plan import resolve_plan  # noqa: E402
 from lightning_parallel.tensor.hf_plans import TRANSFORMERS_STYLES, compose_plan, transformers_plan  # noqa: E402
 from lightning_parallel.tensor.packed import copy_back, savable  # noqa: E402
 from lightning_parallel.tensor.plans import apply_plan, expand_plan, retie  # noqa: E402

@@ -54,7 +54,7 @@ def test_torch_transformer_modules_match_one_device(tmp_path: Path) -> None:
 
 
 def test_a_plan_sharding_inside_multihead_attention_is_one_line() -> None:
-    from lightning_parallel.strategies.tensor import resolve_plan
+    from lightning_parallel.parallelize.plan import resolve_plan
 
     network = build("encoder").model
     plan = {"encoder.layers.*.self_attn.out_proj": "rowwise"}

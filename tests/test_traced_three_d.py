@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from user_modules import CausalLM, build, fit, loader, tiny_gpt2, token_loader  # noqa: E402
 
 from lightning_parallel import PipelineParallelStrategy  # noqa: E402
+from lightning_parallel.parallelize.plan import refuse_traced_sharding  # noqa: E402
 from lightning_parallel.pipeline.tied import TiedGroup  # noqa: E402
-from lightning_parallel.strategies.stage_sharding import refuse_traced_sharding  # noqa: E402
 
 STEPS = 3
 

@@ -37,6 +37,12 @@ def _running_stats(bn: _BatchNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return mean, var, tracked
 
 
+def defer_over_microbatches(network: nn.Module, *, deferred: bool, pp: int) -> list[_BatchNorm]:
+    """The set-up step: `defer_batchnorm` when asked for (`deferred`) and a step is cut into micro-batches (pp > 1);
+    nothing otherwise (at pp=1 a step is one batch, whose statistics are already the mini-batch's)."""
+    return defer_batchnorm(network) if deferred and pp > 1 else []
+
+
 def defer_batchnorm(network: nn.Module) -> list[_BatchNorm]:
     """Make every BatchNorm in `network` defer its running-statistics update; returns them for `commit`."""
     layers = [m for m in network.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]

@@ -1,6 +1,6 @@
-"""What activation checkpointing (`blocks.ACTIVATION_CHECKPOINTING`) does to one block's memory and time in the
-planner's model: the activations it keeps for every micro-batch in flight, the ones it rematerialises for one block at
-a time during backward, and the forward it runs again.
+"""What activation checkpointing (`parallelize/checkpointing.ACTIVATION_CHECKPOINTING`) does to one block's memory
+and time in the planner's model: the activations it keeps for every micro-batch in flight, the ones it rematerialises
+for one block at a time during backward, and the forward it runs again.
 
 Per-sample element counts of one block at a tensor-parallel size; the cost model multiplies by bytes and samples.
 """

@@ -1,7 +1,7 @@
-"""The shared mesh strategy: the one set-up order every mesh strategy runs (shard -> activation checkpointing ->
-compile -> replicas -> precision -> device -> optimizers), the optimizer step over mixed parameter kinds, clipping over
-the mesh, and finding the network. Subclasses say how the network is split or sharded; the processes, mesh and
-collectives are `mesh_processes.py`'s, checkpoints `sharded_checkpoints.py`'s.
+"""The shared mesh strategy: the one set-up order every mesh strategy runs (the network's own order, then precision
+-> device -> optimizers), the optimizer step over mixed parameter kinds, clipping over the mesh, and finding the
+network. Subclasses run their network's order (`parallelize/order.py`: split, shard, checkpointing, compile,
+replicas); the processes, mesh and collectives are `mesh_processes.py`'s, checkpoints `sharded_checkpoints.py`'s.
 
 With those two the one place allowed to touch Lightning/Fabric private helpers. It knows nothing about pipelines or
 tensor plans.
@@ -22,14 +22,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_parallel.blocks import (
-    ACTIVATION_CHECKPOINTING,
-    blocks_of,
-    checkpoint_activations,
-    compile_blocks,
-    refuse_unrepeatable,
-    repeated_kinds,
-)
+from lightning_parallel.parallelize import SetUp
+from lightning_parallel.parallelize.checkpointing import ACTIVATION_CHECKPOINTING, refuse_unrepeatable
 from lightning_parallel.parameter_kinds import refuse_unsteppable, then_by_kind
 from lightning_parallel.precision import clip_grad_norm_global
 from lightning_parallel.seams import changed, fused_steps_on_dtensor
@@ -49,8 +43,9 @@ class MeshStrategy(ModuleAccess, ShardedCheckpoints):
     Args:
         timeout: how long a collective may wait before the run fails (seconds or a timedelta).
         process_group_backend: None picks gloo on CPU and nccl on GPU.
-        activation_checkpointing: per block (`blocks.ACTIVATION_CHECKPOINTING`): "none", "full" (recompute each
-            block's forward in backward) or "selective" (keep matmul, attention and convolution outputs).
+        activation_checkpointing: per block (`parallelize/checkpointing.ACTIVATION_CHECKPOINTING`): "none", "full"
+            (recompute each block's forward in backward) or "selective" (keep matmul, attention and convolution
+            outputs).
         compile: `torch.compile` each block after it is sharded and before replicas wrap it: True, or a dict of
             `torch.compile` arguments (e.g. {"mode": "max-autotune"}); False for eager.
     """
@@ -75,27 +70,25 @@ class MeshStrategy(ModuleAccess, ShardedCheckpoints):
         self._set_up = False
         self._first_step: dict[str, float] = {}  # compiled blocks, and the first step's seconds once it ran
         self._first_step_started: float | None = None
-        # The most parameter bytes this rank held while materialising (and sharding) its part; set in `parallelize`.
+        # The most parameter bytes this rank held while materialising (and sharding) its part; set in `setup`.
         self.setup_peak_parameter_bytes = 0
         self._warned_inexact = False  # the one line for a loss that cannot be one device's, at its first step
 
     # ---- one set-up order; subclasses fill in how the network is split or sharded -------------------
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """The set-up order of every mesh strategy, read top to bottom; a new feature adds a line here. Per block it
-        is torchtitan's: shard -> activation checkpointing -> compile -> replicas. A dimension of size 1 adds nothing.
-        A later fit/validate of the same model reuses the first set-up's network."""
+        """The set-up order of every mesh strategy, read top to bottom; a new feature adds a step to the network's
+        order (`parallelize/order.py`, run by the subclass's `parallelize`) or a line here. A later fit/validate of
+        the same model reuses the first set-up's network."""
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
         if not self._set_up:
-            layers = repeated_kinds(self.network_of(module))  # the whole network's repeated block classes
-            self.parallelize(trainer, module)  # split into stages and/or shard over "tp" (subclasses)
-            blocks = blocks_of(self.network_of(module))  # this rank's blocks, sharded
-            checkpoint_activations([b for b in blocks if type(b) in layers], self.activation_checkpointing)
-            self._first_step["compiled_blocks"] = compile_blocks(blocks, self.compile_options)
-            self.replicate(trainer, module)  # FSDP2 over "dp", or nothing (subclasses)
+            # split -> plan -> prune -> materialise and shard -> tie -> checkpointing -> compile -> replicas
+            done = self.parallelize(trainer, module)
+            self.setup_peak_parameter_bytes = done.peak_parameter_bytes
+            self._first_step["compiled_blocks"] = done.compiled_blocks
             self._set_up = True
         self.precision_plugin = mesh_precision(self.precision_plugin, self)
         self.model = self.precision_plugin.convert_module(module)
@@ -110,18 +103,17 @@ class MeshStrategy(ModuleAccess, ShardedCheckpoints):
         self.setup_precision_plugin()
 
     @abstractmethod
-    def parallelize(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        """Split or shard the network (first set-up of a model only; a later fit/validate reuses it)."""
+    def parallelize(self, trainer: pl.Trainer, module: pl.LightningModule) -> SetUp:
+        """Run the strategy's set-up order on the network (`parallelize/order.py`; first set-up of a model only, a
+        later fit/validate reuses it)."""
 
     @abstractmethod
     def network_of(self, module: pl.LightningModule) -> nn.Module:
         """The LightningModule's network (on a pipeline rank: pruned to its own stages' blocks)."""
 
-    def replicate(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        """Keep data-parallel replicas in sync by wrapping blocks (FSDP2), after they are sharded and compiled."""
-
     def check_block_options(self, network: nn.Module) -> None:
-        """Before launch: what activation checkpointing cannot repeat exactly is refused (`blocks.py`)."""
+        """Before launch: what activation checkpointing cannot repeat exactly is refused
+        (`parallelize/checkpointing.py`)."""
         refuse_unrepeatable(network, self.activation_checkpointing)
 
     def describe_blocks(self) -> dict[str, Any]:

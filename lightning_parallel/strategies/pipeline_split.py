@@ -1,6 +1,7 @@
-"""How the pipeline strategy cuts the LightningModule's network into this rank's stages, before launch (a check
-that a split exists) and in set-up (split, prune to this rank's blocks, materialise or shard them over "tp", tie
-weights across stages; replicas afterwards). At pp=1 nothing is cut: the network is placed whole.
+"""How the pipeline strategy cuts the LightningModule's network into this rank's stages: before launch, a check that
+a split exists; in set-up, the network's inputs found for the split and the set-up order run
+(`parallelize.parallelize_pipeline`: split, plan, prune, materialise and shard, tie, checkpointing, compile,
+replicas). At pp=1 nothing is cut: the network is placed whole.
 """
 
 from __future__ import annotations
@@ -11,29 +12,22 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
-from lightning_parallel.pipeline.batchnorm import defer_batchnorm
+from lightning_parallel.parallelize import SetUp, parallelize_pipeline
+from lightning_parallel.parallelize.plan import refuse_traced_sharding, resolve_stage_plan
+from lightning_parallel.parallelize.split import NetworkInputs, partition_stages
 from lightning_parallel.pipeline.call import NetworkCall, network_call
 from lightning_parallel.pipeline.partition import Partition
-from lightning_parallel.pipeline.profile import measure_block_costs
 from lightning_parallel.pipeline.schedule_plan import ScheduleSpec
-from lightning_parallel.pipeline.split import NetworkSplit, TracedSplit, network_split
-from lightning_parallel.pipeline.tied import TiedGroup, broadcast_tied_values, refuse_ties_within_a_rank
+from lightning_parallel.pipeline.split import NetworkSplit, network_split
+from lightning_parallel.pipeline.tied import TiedGroup
 from lightning_parallel.strategies.base import MeshStrategy
-from lightning_parallel.strategies.stage_sharding import (
-    refuse_traced_sharding,
-    resolve_stage_plan,
-    shard_over_replicas,
-    shard_stage,
-)
 from lightning_parallel.strategies.user_step import (
     capture_network_inputs,
 )
-from lightning_parallel.weights import materialize, parameter_bytes
 
 
 class PipelineSplit(MeshStrategy):
@@ -103,7 +97,8 @@ class PipelineSplit(MeshStrategy):
         # Checks the split is possible (it traces, enough blocks, a valid explicit split); a time-balanced
         # split is measured later, in setup, where a sample batch exists.
         call, example = captured if captured is not None else (None, None)
-        self._plan_split(network_split(network, example, call), None)
+        split = network_split(network, example, call)
+        partition_stages(split, spec=self.spec, pp=self.dims.pp, balance=self.balance, block_costs=None)
 
     def network_of(self, module: pl.LightningModule) -> nn.Module:
         return self.find_network(module, nn.Module, "pipeline parallelism needs the network as an nn.Module")
@@ -142,41 +137,6 @@ class PipelineSplit(MeshStrategy):
             args, kwargs = capture_network_inputs(lambda: getattr(module, step)(batch, 0), network, module)
         return network_call(network, args, kwargs)
 
-    def _plan_split(self, split: NetworkSplit, block_costs: list[float] | None) -> Partition:
-        balance = self.balance
-        if balance is None:  # FLOPs need a trace; a Sequential's children are split by parameters, as before
-            balance = "parameters" if isinstance(split.network, nn.Sequential) else "flops"
-        elif balance == "time" and block_costs is None:
-            balance = "parameters"  # before launch: only checks that a split exists; setup measures the times
-        partition = split.partition(
-            pp=self.dims.pp,
-            stages_per_rank=self.spec.stages_per_rank,
-            style=self.spec.style,
-            balance=balance,
-            block_costs=block_costs,
-        )
-        if self.spec.splits_backward:
-            refuse_ties_within_a_rank(split.tied_blocks(), partition.stages, partition.stage_to_rank, self.spec.name)
-        self._tied = split.tied_across_ranks(partition)
-        return partition
-
-    def _measured_costs(self, network: nn.Module) -> list[float]:
-        """Rank 0 times every block on one micro-batch of the network's own inputs; every rank uses its
-        numbers, so splits agree."""
-        costs: list[list[float] | None] = [None]
-        if self.global_rank == 0:
-            if not self._example:
-                raise ValueError(
-                    "balance='time' needs a sample input to time the blocks on. HINT: set `example_input_array` "
-                    "on the LightningModule, give the Trainer data, or use balance='parameters'"
-                )
-            sample = self._example[0]
-            sample = sample[: max(1, len(sample) // self.microbatches_for(self.dims.pp))]
-            costs[0] = measure_block_costs(network, sample, device=self.root_device)  # type: ignore[arg-type]
-        dist.broadcast_object_list(costs, src=0)
-        assert costs[0] is not None
-        return costs[0]
-
     # ---- set-up in every process ---------------------------------------------------------------
     @contextmanager
     @override
@@ -188,16 +148,26 @@ class PipelineSplit(MeshStrategy):
             yield
 
     @override
-    def parallelize(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+    def parallelize(self, trainer: pl.Trainer, module: pl.LightningModule) -> SetUp:
+        """The pipeline's set-up order (`parallelize/order.py`): split -> plan -> prune -> materialise and shard ->
+        tie -> activation checkpointing -> compile -> replicas -> deferred BatchNorm; at pp=1 the network placed
+        whole (sharded over "tp" as a stage would be)."""
         self._parallelized = True
+        done = parallelize_pipeline(self.network_of(module), self, lambda: self._split_inputs(trainer, module))
+        if done.stages is not None:  # pp=1 cuts nothing: no split, partition, ties or traced inputs
+            stages = done.stages
+            self._split, self._partition, self._tied = stages.split, stages.partition, stages.tied
+            self._call, self._example = stages.call, stages.example
+        self._tensor_plan, self._batchnorms = done.plan, done.batchnorms
+        return done
+
+    def _split_inputs(self, trainer: pl.Trainer, module: pl.LightningModule) -> NetworkInputs:
+        """The network's inputs, taken from the first batch of the running trainer function: to trace it, to time its
+        blocks on (balance='time'), and for a Sequential, when the data offers a batch, to check that its blocks pass
+        one tensor on (`split.check_block_outputs`)."""
         network = self.network_of(module)
-        if not self.pipelined:
-            self._place_whole(network)
-            return
         batch = None
         step = {"fit": "training_step", "validate": "validation_step", "test": "test_step"}
-        # The network's inputs: to trace it, to time its blocks on (balance='time'), and for a Sequential, when the
-        # data offers a batch, to check that its blocks pass one tensor on (`split.check_block_outputs`)
         if not isinstance(network, nn.Sequential) or self.balance == "time":
             batch = self.first_batch(trainer)
         else:
@@ -205,45 +175,7 @@ class PipelineSplit(MeshStrategy):
                 batch = self.first_batch(trainer)
         fn = trainer.state.fn.value if trainer.state.fn is not None else "predict"
         captured = self._example_inputs(module, batch, step.get(fn, "predict_step"))
-        self._call, self._example = captured if captured is not None else (None, None)
-        self._split = network_split(network, self._example, self._call)
-        costs = self._measured_costs(network) if self.balance == "time" else None
-        self._partition = self._plan_split(self._split, costs)
-        traced = isinstance(self._split, TracedSplit)
-        if self.dims.tp > 1:
-            self._tensor_plan = resolve_stage_plan(network, self.plan, self.dims.tp)  # whole network, before pruning
-            if traced:  # traced stages compute on the planned modules' DTensor shards (`tensor/traced_stages.py`)
-                refuse_traced_sharding(
-                    network, self._tensor_plan[1], self._tied, replicas=self.replicas, dp=self.dims.dp
-                )
-        self._split.prune(self.partition.blocks_of(self.pp_rank))
-        if self._tensor_plan is None:
-            materialize(network, self.root_device)
-            self.setup_peak_parameter_bytes = parameter_bytes(network)
-        else:
-            mesh, group = self.device_mesh["tp"], self.group("tp")
-            self.setup_peak_parameter_bytes = shard_stage(
-                network, self._tensor_plan[1], mesh, group, self.root_device, traced=traced
-            )
-        broadcast_tied_values(network, self._tied, self.group("pp"))
-
-    @override
-    def replicate(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        network = self.network_of(module)
-        if self.replicas == "fsdp" and self.dims.dp > 1:
-            shard_over_replicas(network, self.device_mesh["dp"], self._tied)
-        if self.deferred_batchnorm and self.pipelined:
-            self._batchnorms = defer_batchnorm(network)
-
-    def _place_whole(self, network: nn.Module) -> None:
-        """pp=1: the whole network on this rank, sharded over "tp" as a stage would be."""
-        if self.dims.tp > 1:
-            self._tensor_plan = resolve_stage_plan(network, self.plan, self.dims.tp)
-            mesh, group = self.device_mesh["tp"], self.group("tp")
-            self.setup_peak_parameter_bytes = shard_stage(network, self._tensor_plan[1], mesh, group, self.root_device)
-        else:
-            materialize(network, self.root_device)
-            self.setup_peak_parameter_bytes = parameter_bytes(network)
+        return captured if captured is not None else (None, None)
 
     def describe_layout(self) -> str:
         if not self.pipelined:

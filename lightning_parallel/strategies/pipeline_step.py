@@ -26,7 +26,6 @@ from lightning_parallel.pipeline.tied import counted_elsewhere, sum_tied_gradien
 from lightning_parallel.pipeline.token_shares import TokenShares
 from lightning_parallel.replicas import average_
 from lightning_parallel.strategies.pipeline_split import PipelineSplit
-from lightning_parallel.strategies.stage_sharding import stages_on_mesh
 from lightning_parallel.strategies.user_step import (
     MicroSteps,
     StepRefused,
@@ -35,6 +34,7 @@ from lightning_parallel.strategies.user_step import (
     swap_attribute,
 )
 from lightning_parallel.tensor.plans import keep_gradients_sharded
+from lightning_parallel.tensor.traced_stages import stages_on_mesh
 from lightning_parallel.token_mean import model_label_counts
 
 

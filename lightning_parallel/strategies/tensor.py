@@ -2,8 +2,9 @@
 `parallelize_module`), optionally times data-parallel replicas that FSDP2 keeps in sync.
 
 The plan is the `plan` argument, else the network's own (ours, or a transformers model's), else one found from its
-structure, else from an fx trace (`resolve_plan`); a LightningModule that overrides `configure_model()` parallelises
-itself instead. Plan mechanics live in `tensor/`. Over 300 lines: the strategy and its plan resolution, which 3D reuses.
+structure, else from an fx trace (`parallelize/plan.resolve_plan`, which 3D shares); a LightningModule that overrides
+`configure_model()` parallelises itself instead. Set-up runs `parallelize.parallelize_tensor`, one step a line; plan
+mechanics live in `tensor/`. This file holds the arguments, the report (`describe()`) and the buffers' averaging.
 """
 
 from __future__ import annotations
@@ -19,29 +20,19 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_parallel.dims import ParallelDims
-from lightning_parallel.replicas import average_, broadcast_module
+from lightning_parallel.parallelize import SetUp, parallelize_tensor
+from lightning_parallel.parallelize.plan import resolve_plan
+from lightning_parallel.parallelize.replicas import modules_split_over
+from lightning_parallel.replicas import average_
 from lightning_parallel.strategies.arguments import check_bool, check_choice, check_int, check_name, reject
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
-from lightning_parallel.tensor.hf_plans import transformers_plan
-from lightning_parallel.tensor.pairing import auto_plan
-from lightning_parallel.tensor.plans import (
-    STYLES,
-    apply_plan,
-    check_plan,
-    expand_plan,
-    keep_gradients_sharded,
-    retie,
-    sharding_first,
-    tied_groups,
-)
-from lightning_parallel.tensor.structure import structural_plan
-from lightning_parallel.weights import materialize, materialize_in_parts
+from lightning_parallel.tensor.plans import STYLES, keep_gradients_sharded
+from lightning_parallel.weights import materialize
 
 
 class TensorParallelStrategy(MeshStrategy):
@@ -93,7 +84,6 @@ class TensorParallelStrategy(MeshStrategy):
         self.sequence_parallel = sequence_parallel
         self.network_attr = network_attr
         self._description: dict[str, Any] | None = None
-        self._sharded: tuple[str, dict[str, str], dict[str, str]] = ("", {}, {})
         self._gradient_hooks: list[RemovableHandle] = []
 
     # ---- sizes and validation (main process, before launch) -------------------------------------
@@ -143,15 +133,12 @@ class TensorParallelStrategy(MeshStrategy):
                         materialize(child, self.root_device)
 
     @override
-    def parallelize(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        self._sharded = self._shard(module, self.network_of(module))
-
-    @override
-    def replicate(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+    def parallelize(self, trainer: pl.Trainer, module: pl.LightningModule) -> SetUp:
+        """The tensor strategy's set-up order (`parallelize/order.py`): plan -> materialise and shard -> activation
+        checkpointing -> compile -> replicas; then what it did, reported."""
         network = self.network_of(module)
-        if self.dims.dp > 1:
-            self._shard_over_replicas(module, network)
-        self._description = self._describe(*self._sharded, network)
+        done = parallelize_tensor(module, network, self, configured=is_overridden("configure_model", module))
+        self._description = self._describe(*done.plan, network)
         if self.global_rank == 0:
             d = self._description
             rank_zero_info(
@@ -161,6 +148,7 @@ class TensorParallelStrategy(MeshStrategy):
                 f"parameter bytes per rank {d['parameter_bytes_per_rank']}\n"
                 f"  sharded: {_names(d['sharded'])}\n  replicated: {_names(d['replicated'])}"
             )
+        return done
 
     @override
     def on_device(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -168,58 +156,16 @@ class TensorParallelStrategy(MeshStrategy):
             handle.remove()
         self._gradient_hooks = keep_gradients_sharded(self.network_of(module))
 
-    def _shard(self, module: pl.LightningModule, network: nn.Module) -> tuple[str, dict[str, str], dict[str, str]]:
-        """(plan source, the plan, why each unplanned module stays whole), with the planned layers sharded."""
-        replicated_why: dict[str, str] = {}
-        plan: dict[str, str] = {}
-        if is_overridden("configure_model", module):
-            source = "configure_model"  # Lightning already called it, with the mesh on the module
-        else:
-            source, plan, replicated_why = self.resolve_plan(network)  # raises on every rank before any collective
-            if not any(p.is_meta for p in network.parameters()):
-                network.to(self.root_device)
-                broadcast_module(network)  # built for real: peers and replicas start from rank 0's draw
-            mesh, sequence_parallel = self.device_mesh["tp"], self.sequence_parallel
-
-            def shard(name: str) -> None:
-                apply_plan(network, {name: plan[name]}, mesh, sequence_parallel=sequence_parallel)
-
-            # Built on the meta device: one layer at a time gets its name-keyed values and is sharded at once,
-            # so no rank holds the whole model, also during set-up.
-            # At tp=1 a plan would only wrap every layer in a one-rank DTensor, whose eager dispatch costs 3-4x a
-            # step on a GPU: the network stays plain, as on one device.
-            applied = sharding_first(plan) if self.dims.tp > 1 else []
-            tied = tied_groups(network)  # a tied embedding and head, each sharded alike (`check_plan`), made one again
-            self.setup_peak_parameter_bytes = materialize_in_parts(network, self.root_device, applied, shard)
-            retie(network, tied)
-        return source, plan, replicated_why
-
-    def _shard_over_replicas(self, module: pl.LightningModule, network: nn.Module) -> None:
-        """FSDP2 over "dp" (per child of the network, then the network) unless configure_model() already did it."""
-        if not any(isinstance(m, FSDPModule) for m in module.modules()):
-            dp_mesh = self.device_mesh["dp"]
-            for child in network.children():
-                if any(p.requires_grad for p in child.parameters()):
-                    fully_shard(child, mesh=dp_mesh)
-            fully_shard(network, mesh=dp_mesh)
-        loose = [name for name, p in module.named_parameters() if not _spans(p, "dp")]
-        if loose:
-            raise RuntimeError(
-                f"with data_parallel_size {self.dims.dp}, parameters {loose[:3]} are not sharded over the 'dp' mesh "
-                "dimension, so replicas would drift apart. HINT: keep every parameter inside the network, or call "
-                "fully_shard(..., mesh=self.device_mesh['dp']) on them in configure_model()"
-            )
-
     def _describe(
         self, source: str, plan: dict[str, str], replicated_why: dict[str, str], network: nn.Module
     ) -> dict[str, Any]:
         sharded: dict[str, str] = {}
         replicated: list[str] = []
+        split = modules_split_over(network, "tp")
         for name, mod in network.named_modules():
-            params = list(mod.parameters(recurse=False))
-            if any(_spans(p, "tp", sharded=True) for p in params):
+            if name in split:
                 sharded[name] = plan.get(name, "custom")
-            elif params:
+            elif any(True for _ in mod.parameters(recurse=False)):
                 replicated.append(name)
         local = sum(_local(p).numel() * p.element_size() for p in network.parameters())
         per_rank: list[int] = [0] * self.world_size
@@ -271,59 +217,8 @@ def check_plan_argument(owner: object, plan: object) -> None:
         reject(owner, "plan", plan, expected, "plan='auto', or plan={'block_*.attn.q': 'colwise'}")
 
 
-def resolve_plan(
-    network: nn.Module, plan: Mapping[str, str] | str | None, *, tensor_parallel_size: int, sequence_parallel: bool
-) -> tuple[str, dict[str, str], dict[str, str]]:
-    """(source, exact-name plan, why each unplanned module stays whole), the first of, in order:
-    1. "argument": the `plan` argument;
-    2. "model": the network's own plan when it has entries: `tp_plan` in our style names, or a transformers model's
-       (`_tp_plan` + `config.base_model_tp_plan`) translated from transformers' style names (`tensor/hf_plans.py`);
-    3. "structure": attention and MLP layers recognised by names and widths (`tensor/structure.py`);
-    4. "auto": column -> row pairs along a torch.fx trace (`tensor/pairing.py`).
-    `plan="auto"` skips 2. Checked against `tensor_parallel_size` (raises ValueError with a fix)."""
-    tp = tensor_parallel_size
-    replicated: dict[str, str] = {}
-    own = None if plan is not None else _own_plan(network)
-    if isinstance(plan, Mapping):
-        source, exact = "argument", expand_plan(network, plan)
-        if tp > 1 and not exact:
-            raise ValueError(
-                f"tensor_parallel_size={tp}: the plan argument is empty, so nothing would be sharded and every rank "
-                "would compute the whole network. HINT: pass plan=None to find a plan, or name the layers to shard: "
-                "plan={'<module name pattern>': 'colwise' | 'rowwise' | ...}"
-            )
-    elif own:
-        source, exact = "model", expand_plan(network, own)
-    else:
-        found = structural_plan(network, tensor_parallel_size=tp)
-        source = "structure" if found is not None else "auto"
-        found = found or auto_plan(network, tensor_parallel_size=tp)
-        exact, replicated = found.plan, found.replicated
-    check_plan(network, exact, tensor_parallel_size=tp, sequence_parallel=sequence_parallel)
-    return source, exact, replicated
-
-
-def _own_plan(network: nn.Module) -> Mapping[str, str] | None:
-    """The network's own plan in our style names (a transformers model's translated), None or empty without one."""
-    translated = transformers_plan(network)
-    if translated is not None:
-        return translated
-    own = getattr(network, "tp_plan", None)
-    return own if isinstance(own, Mapping) else None
-
-
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _spans(param: torch.Tensor, dim: str, *, sharded: bool = False) -> bool:
-    """Whether `param` is a DTensor over mesh dimension `dim` (and, if `sharded`, split along it)."""
-    if not isinstance(param, DTensor):
-        return False
-    names = param.device_mesh.mesh_dim_names or ()
-    return any(
-        name == dim and not (sharded and p.is_replicate()) for name, p in zip(names, param.placements, strict=True)
-    )
 
 
 def _names(items: Any, shown: int = 8) -> str:

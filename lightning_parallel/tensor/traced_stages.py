@@ -25,7 +25,8 @@ Compute is saved only between a column- and a row-parallel layer. No Lightning, 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx, nn
@@ -35,6 +36,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from lightning_parallel.tensor.styles import STYLE_TRAITS
+
+if TYPE_CHECKING:
+    from lightning_parallel.pipeline.runtime import StageFactory  # a type only: tensor/ imports no pipeline code
 
 aten = torch.ops.aten
 _DONE = "_lightning_parallel_tp_mesh"  # set on a traced stage once its graphs run on a mesh
@@ -89,6 +93,19 @@ def run_on_mesh(stage: nn.Module, mesh: DeviceMesh) -> nn.Module:
             module.finalize()  # InterpreterModule: rebuild its codegen fallback too
     setattr(stage, _DONE, mesh)
     return stage
+
+
+def stages_on_mesh(
+    modules: dict[int, nn.Module], factory: StageFactory | None, mesh: DeviceMesh
+) -> tuple[dict[int, nn.Module], StageFactory | None]:
+    """Traced stage modules (and those a factory traces later, per micro-batch shape) computing on DTensors over
+    the "tp" `mesh`: they take and return plain tensors, as the schedule expects."""
+    on_mesh = {index: run_on_mesh(module, mesh) for index, module in modules.items()}
+    return on_mesh, (partial(_traced_on_mesh, factory, mesh) if factory is not None else None)
+
+
+def _traced_on_mesh(factory: StageFactory, mesh: DeviceMesh, micro: tuple[torch.Tensor, ...]) -> dict[int, nn.Module]:
+    return {index: run_on_mesh(module, mesh) for index, module in factory(micro).items()}
 
 
 def _rewrite(graph: fx.Graph, mesh: DeviceMesh, *, root: bool) -> None:
