@@ -154,6 +154,40 @@ def test_one_file_checkpoints_written_in_the_background_keep_the_newest_two_and_
         assert torch.allclose(resumed.state_dict()[name], value, atol=1e-5, rtol=0), name
 
 
+class SlowIO(TorchCheckpointIO):
+    """Takes a second before each write: long enough for the run to fail while a write is in flight."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        time.sleep(1.0)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class FailAt(pl.Callback):
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == EVERY + 2:
+            raise RuntimeError("planned failure")
+
+
+def test_a_run_that_fails_while_a_write_is_in_flight_keeps_that_checkpoint_whole(tmp_path: Path) -> None:
+    """The error is the run's own; the write of step 5, under way when it came, is waited for and swapped in."""
+    saved = tmp_path / "checkpoints"
+    saving = ModelCheckpoint(dirpath=saved, filename="{step}", monitor="step", mode="max", every_n_train_steps=EVERY)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[FailAt(), saving],
+        plugins=[AsyncCheckpointIO(SlowIO())],
+    )
+    data = SyntheticTokensDataModule(vocab_size=16, seq_len=8, num_samples=89, batch_size=16, seed=0)
+    task = LanguageModelTask(GPT(**GPT_CONFIG), optimizer=partial(torch.optim.SGD, lr=0.1))
+    with pytest.raises(RuntimeError, match="planned failure"):
+        trainer.fit(task, datamodule=data)
+    assert names(saved) == ["step=5.ckpt"] and torch.load(saved / "step=5.ckpt")["global_step"] == EVERY
+
+
 # ---- sharded checkpoints of the mesh strategies (dcp.async_save) ----------------------------------------------
 @pytest.mark.timeout(240)
 def test_sharded_checkpoints_written_in_the_background_equal_a_synchronous_save_and_resume_exactly(
