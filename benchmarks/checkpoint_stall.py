@@ -70,7 +70,7 @@ class StepClock(pl.Callback):
         self.train_end = time.perf_counter()
 
     @override
-    def teardown(self, trainer: pl.Trainer, *args: Any) -> None:
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         record = {"starts": self.starts, "ends": self.ends, "train_end": self.train_end, "done": time.perf_counter()}
         (self.out / f"clock{trainer.global_rank}.json").write_text(json.dumps(record))
 
