@@ -23,6 +23,7 @@ from distributed import WORKERS, free_port, run_workers, start_worker
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from config_checks import newest_checkpoint
 from lightning_parallel.background_write import BackgroundWrite
 from lightning_parallel.callbacks import AsyncCheckpoints, RunSummary
 from lightning_parallel.callbacks.async_checkpoints import AsyncCheckpointIO
@@ -92,18 +93,19 @@ def test_a_kill_during_a_file_write_leaves_the_previous_checkpoint_and_a_failed_
 ) -> None:
     folder, stalling = tmp_path / "checkpoints", StallingIO("step=10")
     plugin = AsyncCheckpointIO(stalling)
-    plugin.save_checkpoint({"step": 5, "w": torch.ones(3)}, folder / "step=5.ckpt")
-    plugin.save_checkpoint({"step": 10, "w": torch.full((3,), 2.0)}, folder / "step=10.ckpt")
+    plugin.save_checkpoint({"step": 5, MODEL_KEY: {"w": torch.ones(3)}}, folder / "step=5.ckpt")
+    plugin.save_checkpoint({"step": 10, MODEL_KEY: {"w": torch.full((3,), 2.0)}}, folder / "step=10.ckpt")
     assert stalling.started.wait(10)
     killed = tmp_path / "as a kill leaves it"
     shutil.copytree(folder, killed)  # the files on disk at this moment are what a SIGKILL would leave
     assert names(killed) == ["step=10.ckpt.partial", "step=5.ckpt"]
-    recover(killed)  # what a resume does first (train.py's ckpt_path resolution)
+    assert newest_checkpoint(killed) == killed / "step=5.ckpt"  # ckpt_path=last: never the one being written
     assert names(killed) == ["step=5.ckpt"] and torch.load(killed / "step=5.ckpt")["step"] == 5
     stalling.release.set()
     plugin.remove_checkpoint(folder / "step=5.ckpt")  # ModelCheckpoint's top-k: only once step 10 is whole
     plugin.writes.wait()
-    assert names(folder) == ["step=10.ckpt"] and torch.load(folder / "step=10.ckpt")["w"].tolist() == [2.0] * 3
+    assert names(folder) == ["step=10.ckpt"]
+    assert torch.load(folder / "step=10.ckpt")[MODEL_KEY]["w"].tolist() == [2.0] * 3
     # A write that fails: the older checkpoint stays, and the next save (or teardown) raises the error.
     stalling.save_checkpoint = lambda *args, **kwargs: 1 / 0  # type: ignore[method-assign]
     plugin.save_checkpoint({"step": 15}, folder / "step=15.ckpt")
@@ -232,25 +234,30 @@ def test_a_process_killed_during_a_sharded_write_leaves_the_previous_checkpoint_
         proc.kill()
         proc.join()
     assert names(saved) == ["step=10.ckpt.partial", "step=5.ckpt"]
-    recover(saved)
+    assert newest_checkpoint(saved) == saved / "step=5.ckpt"  # what ckpt_path=last resumes from
     assert names(saved) == ["step=5.ckpt"] and read_meta(saved / "step=5.ckpt")["global_step"] == EVERY
     load_module(LanguageModelTask(GPT(**GPT_CONFIG), optimizer=partial(torch.optim.SGD, lr=0.5)), saved / "step=5.ckpt")
 
 
-def test_the_time_interval_of_the_hydra_config_triggers_periodic_checkpoints(compose_cfg, tmp_path: Path) -> None:
+def test_the_time_interval_triggers_periodic_checkpoints_and_a_resume_keeps_the_one_it_resumed_from(
+    compose_cfg, tmp_path: Path
+) -> None:
     """`callbacks.step_checkpoint.train_time_interval` of 0 s saves after every step (Lightning allows 0); the newest
-    3 stay, next to model_checkpoint's files."""
+    3 stay. The same command with `ckpt_path=last` and 3 more steps resumes from the newest (step 5) and keeps it
+    while the newest 3 move on (Lightning spares the checkpoint a run resumed from; model_checkpoint is off, else its
+    last.ckpt of the same step would be the one resumed from)."""
     from train import train
 
-    cfg = compose_cfg(
+    command = [
         "trainer.accelerator=cpu",
-        "trainer.max_steps=5",
         "trainer.limit_val_batches=1",
         "callbacks.progress_bar=null",
         "callbacks.lr_monitor=null",
+        "callbacks.model_checkpoint=null",
         "callbacks.step_checkpoint.train_time_interval={_target_: datetime.timedelta, seconds: 0}",
-    )
-    train(cfg)
-    found = names(tmp_path / "checkpoints")
-    assert [name for name in found if name.startswith("step=")] == ["step=3.ckpt", "step=4.ckpt", "step=5.ckpt"]
-    assert not [name for name in found if name.endswith((".partial", ".old"))]
+    ]
+    train(compose_cfg(*command, "trainer.max_steps=5"))
+    assert names(tmp_path / "checkpoints") == ["step=3.ckpt", "step=4.ckpt", "step=5.ckpt"]  # nothing half-written
+    resumed = train(compose_cfg(*command, "trainer.max_steps=8", "ckpt_path=last"))
+    assert resumed["resumed_from"] == str(tmp_path / "checkpoints" / "step=5.ckpt")
+    assert names(tmp_path / "checkpoints") == [f"step={n}.ckpt" for n in (5, 6, 7, 8)]
