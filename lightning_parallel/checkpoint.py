@@ -13,6 +13,7 @@ Export a transformers model as a Hugging Face directory: `... export CHECKPOINT 
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import shutil
 import sys
@@ -68,6 +69,20 @@ def replace_with(partial: Path, path: Path) -> None:
         os.replace(path, old_path(path))
     os.replace(partial, path)
     remove(old_path(path))
+
+
+def serialized(obj: Any) -> bytes:
+    """`torch.save` into memory: a snapshot of small state that may change before it is written."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def move_in(partial: Path, path: Path, meta: bytes) -> None:
+    """Rank 0, once every rank's shards are in `partial`: write `meta.pt` (last, so a directory without it was cut
+    short) and swap the checkpoint in for `path`."""
+    (partial / META_FILE).write_bytes(meta)
+    replace_with(partial, path)
 
 
 def recover(folder: str | os.PathLike) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -21,15 +22,17 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from typing_extensions import override
 
+from lightning_parallel.background_write import BackgroundWrite, result_of
+from lightning_parallel.callbacks.async_checkpoints import AsyncCheckpointIO
 from lightning_parallel.checkpoint import (
-    META_FILE,
     MODEL_KEY,
     compare_tensors,
     load_shards,
+    move_in,
     partial_path,
     read_meta,
     recover,
-    replace_with,
+    serialized,
     sharded_tensors,
 )
 from lightning_parallel.hf_format import RECORD_KEY, describe_pretrained
@@ -46,6 +49,8 @@ OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 class ShardedCheckpoints(MeshProcesses):
     """Save and load a mesh strategy's checkpoints shard by shard, after set-up (the model split and the optimizers
     built), and resume exactly more than once."""
+
+    _checkpoint_writes_group: dist.ProcessGroup | None = None  # see `_checkpoint_group`
 
     @override
     def on_train_start(self) -> None:
@@ -76,8 +81,13 @@ class ShardedCheckpoints(MeshProcesses):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Every rank writes its shards into `<path>.partial`; rank 0 then swaps it in for `<path>`."""
+        """Every rank writes its shards into `<path>.partial`; rank 0 then writes `meta.pt` and swaps it in for
+        `<path>`. With `AsyncCheckpointIO` the step waits only for the copy to CPU memory: the shards are written by
+        `dcp.async_save` and the swap follows in the background, once every rank's shards are written."""
         path = Path(self.broadcast(str(filepath)))
+        writes = self._background_writes()
+        if writes is not None:
+            writes.wait()  # the previous write and its swap ended: never two writes, never a half-written swap
         partial = partial_path(path)
         if self.is_global_zero:
             recover(path.parent)  # what a run killed during an earlier save left behind
@@ -88,13 +98,39 @@ class ShardedCheckpoints(MeshProcesses):
             checkpoint[RECORD_KEY] = pretrained
         shards = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
         shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-        dcp.save(savable(shards), checkpoint_id=str(partial))  # interleaved shards (q | k | v) as contiguous ones
-        if self.is_global_zero:
-            torch.save(checkpoint, partial / META_FILE)
-        self.barrier()
-        if self.is_global_zero:
-            replace_with(partial, path)
-        self.barrier()
+        meta = serialized(checkpoint) if self.is_global_zero else b""  # a snapshot: the loops go on meanwhile
+        if writes is None:
+            dcp.save(savable(shards), checkpoint_id=str(partial))  # interleaved shards (q | k | v) as contiguous ones
+            if self.is_global_zero:
+                move_in(partial, path, meta)
+            self.barrier()
+            return
+        written = dcp.async_save(
+            savable(shards),
+            checkpoint_id=str(partial),
+            process_group=self._checkpoint_group(),
+            async_stager=writes.stager,
+        )
+        is_writer = self.is_global_zero
+
+        def finish() -> None:
+            result_of(written)  # DCP ends on every rank only after all ranks' shards and its .metadata are written
+            if is_writer:
+                move_in(partial, path, meta)
+
+        writes.start(finish)
+
+    def _background_writes(self) -> BackgroundWrite | None:
+        """The writes in flight when checkpoints are written in the background (`AsyncCheckpointIO`), else None."""
+        return self.checkpoint_io.writes if isinstance(self.checkpoint_io, AsyncCheckpointIO) else None
+
+    def _checkpoint_group(self) -> dist.ProcessGroup:
+        """A gloo group of all ranks for the background writes' own collectives (DCP plans and gathers over it):
+        the training thread's groups stay the training thread's. Made at the first background save, which every
+        rank reaches together."""
+        if self._checkpoint_writes_group is None:
+            self._checkpoint_writes_group = dist.new_group(backend="gloo", timeout=self._timeout)
+        return self._checkpoint_writes_group
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -106,6 +142,9 @@ class ShardedCheckpoints(MeshProcesses):
             weights_only = fit_weights_only()  # Lightning 2.6 does not pass it to strategies that restore after setup
         trusted = weights_only is False
         path = Path(self.broadcast(str(checkpoint_path)))
+        writes = self._background_writes()
+        if writes is not None:
+            writes.wait()  # never read a checkpoint that is still being written
         meta = read_meta(path, weights_only=not trusted)
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(module)}
