@@ -56,11 +56,15 @@ def test_a_live_rank_outside_torch_distributed_is_named_and_all_waiting_names_no
 def test_a_heartbeat_says_where_the_main_thread_is() -> None:
     server = store()
     heartbeat = Heartbeat(server, rank=0, interval=0.05).start()
+    beats: dict = {}
+    reader = threading.Timer(0.3, lambda: beats.update(read_beats(server, 1)))  # read while this thread sleeps here
     try:
-        time.sleep(0.3)
-        (mine,) = read_beats(server, 1).values()
+        reader.start()
+        time.sleep(0.6)
+        reader.join()
     finally:
         heartbeat.stop()
+    (mine,) = beats.values()
     assert mine["pid"] > 0 and mine["host"] == socket.gethostname() and time.time() - mine["time"] < 2
     assert (
         mine["doing"].startswith("its own code at ")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -108,7 +109,10 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_named_in_one_line(tmp_pa
     assert result.returncode != 0
     errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
     assert errors[0].startswith("error: rank 1 stopped answering: no heartbeat for "), result.stdout[-3000:]
-    assert "rank 0 waited for it in a pipeline send/recv" in errors[0] and "; rank 1 was killed. HINT: " in errors[0]
+    # rank 0's own last beat: mostly inside a pipeline send/recv; its beat may also land in the schedule or a collective
+    doing = r"; rank 0 waited for it in (a pipeline send/recv|the pipeline schedule|a collective)"
+    waited = re.search(doing, errors[0])
+    assert waited and "; rank 1 was killed. HINT: " in errors[0], errors[0]
     seconds = ended - float((tmp_path / "failed_at").read_text())
     assert seconds < timeout + 15, f"the job took {seconds:.0f} s to end after the stop (timeout {timeout} s)"
     print(f"{errors[0]}\nended {seconds:.1f} s after the stop")
