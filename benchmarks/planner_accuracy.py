@@ -7,8 +7,8 @@ machine: gloo latency/bandwidth (2-process micro-benchmark), block forward+backw
 thread: a device here is one single-threaded process), the AdamW step, ten calibration runs of train.py that are
 not compared, then every layout. Medians over the rounds are used; the overheads (and the bandwidth collectives
 reach inside training) are solved from the calibration runs' residuals. Usage: .venv/bin/python
-benchmarks/planner_accuracy.py [--steps 20 --repeats 3]: about 16 min on 2 quiet cores, longer when other processes
-disturb runs (each such run is repeated once).
+benchmarks/planner_accuracy.py [--steps 20 --repeats 3]: about 11 min per round on 2 quiet cores, longer when other
+processes disturb runs (each such run is repeated once). --repeats other than 3 writes planner_accuracy_repeats<N>.
 Over 300 lines: one measurement, its worker mode and its report in one script, so a result file traces to one
 command.
 """
@@ -50,8 +50,9 @@ from lightning_parallel.planner import (  # noqa: E402
 from lightning_parallel.strategies.layouts import train_overrides  # noqa: E402
 
 TARGET = 0.25
+MEDIAN_TARGET = 0.10  # issue 28: median |error| at most 10%, at most 11 of 15 errors of one sign
 WARMUP_STEPS = 3  # first steps build schedules, DDP buckets and DTensor sharding caches
-QUIET = 0.5  # a run is repeated once when other processes kept more cores than this busy during it
+QUIET = 0.2  # a run is repeated once when other processes kept more cores than this busy during it
 CORES = os.cpu_count() or 1
 # model key -> train.py overrides and the two batch sizes the block timings are fitted on
 MODELS: dict[str, dict[str, Any]] = {
@@ -214,6 +215,44 @@ def measure_network() -> dict[str, Any]:
     return {"latency": (ar_fixed / 2 + p2p_fixed) / 2, "bandwidth": 2 / (ar_per_byte + p2p_per_byte), "seconds": raw}
 
 
+# ---- contention: processes computing at once on the shared cores ----------------------------------------------------
+def measure_contention() -> dict[str, Any]:
+    """How many times slower each of CORES single-threaded processes computes both models' blocks while all of them
+    compute at once than one process alone (fresh processes both times, started together once all are built)."""
+    totals: dict[int, list[float]] = {}
+    for together in (1, CORES):
+        with tempfile.TemporaryDirectory() as tmp:
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            procs = [subprocess.Popen([sys.executable, __file__, "--time-blocks", f"{tmp}/{i}"], env=env)
+                     for i in range(together)]  # fmt: skip
+            deadline = time.time() + 300
+            while not all(Path(f"{tmp}/{i}.ready").exists() for i in range(together)) and time.time() < deadline:
+                time.sleep(0.05)
+            Path(f"{tmp}/go").touch()
+            for proc in procs:
+                proc.wait(timeout=300)
+            totals[together] = [json.loads(Path(f"{tmp}/{i}.json").read_text())["seconds"] for i in range(together)]
+    solo = totals[1][0]
+    return {
+        "contention": max(1.0, statistics.median(totals[CORES]) / solo),
+        "solo_s": solo,
+        "together_s": totals[CORES],
+    }
+
+
+def time_blocks_when_told(prefix: str) -> None:
+    """Worker of measure_contention: build both models, say so, wait for the go, time their blocks."""
+    built = {key: build(key) for key in MODELS}
+    Path(f"{prefix}.ready").touch()
+    while not (Path(prefix).parent / "go").exists():
+        time.sleep(0.01)
+    seconds = 0.0
+    for key, (_, model, sample, _) in built.items():
+        large = MODELS[key]["sizes"][1]
+        seconds += sum(fixed + per_sample * large for fixed, per_sample in time_blocks(key, model, sample))
+    Path(f"{prefix}.json").write_text(json.dumps({"seconds": seconds}))
+
+
 # ---- train.py runs -------------------------------------------------------------------------------------------------
 def run_train(key: str, layout: Layout, steps: int, batch: int | None = None) -> dict[str, Any]:
     """The quieter of up to two train.py runs: a run during which other processes kept more than QUIET cores busy
@@ -241,9 +280,7 @@ def run_once(key: str, layout: Layout, steps: int, batch: int | None) -> dict[st
 
 
 def predict(workload: Workload, base: Hardware, layout: Layout, batch: int) -> Any:
-    # more single-threaded processes than cores share them: each computes proportionally slower
-    scaled = replace(base, compute_scale=max(1.0, layout.devices / CORES))
-    return CostModel(workload, scaled, precision="32-true").estimate(layout, batch=batch)
+    return CostModel(workload, base, precision="32-true").estimate(layout, batch=batch)
 
 
 def with_constants(base: Hardware, values: dict[str, float]) -> Hardware:
@@ -310,6 +347,8 @@ def write_report(result: dict[str, Any]) -> None:
     within = sum(abs(r["error"]) <= TARGET for r in rows)
     within_mean = sum(abs(r["error_vs_summary"]) <= TARGET for r in rows)
     hw, net = result["calibration"]["hardware"], result["calibration"]["hardware"]["network"]
+    median = statistics.median(abs(r["error"]) for r in rows)
+    under = sum(r["error"] < 0 for r in rows)
     lines = [
         "# Planner accuracy: predicted vs measured step time",
         "",
@@ -322,9 +361,11 @@ def write_report(result: dict[str, Any]) -> None:
         f"during the compared runs; a run during which they used more than {QUIET} cores was repeated once and the "
         f"quieter run kept ({result['repeated_runs']} repeats).",
         "",
-        f"**{within} of {len(rows)} layouts within {TARGET:.0%} of the steady step**; median |error| "
-        f"{statistics.median(abs(r['error']) for r in rows):.1%}, largest {max(abs(r['error']) for r in rows):.1%}. "
-        f"Against summary.json's warm-up-inclusive mean: {within_mean} of {len(rows)} within {TARGET:.0%}.",
+        f"**Median |error| {median:.1%}** (target {MEDIAN_TARGET:.0%}: "
+        f"{'met' if median <= MEDIAN_TARGET else 'NOT met'}); "
+        f"**{under} of {len(rows)} under-predicted, {len(rows) - under} over**; {within} of {len(rows)} layouts within "
+        f"{TARGET:.0%} of the steady step, largest |error| {max(abs(r['error']) for r in rows):.1%}. Against "
+        f"summary.json's warm-up-inclusive mean: {within_mean} of {len(rows)} within {TARGET:.0%}.",
         "",
         "| model | layout | train.py overrides | predicted ms | measured ms (median, min-max) | error | within 25% | "
         "summary.json step_time_s ms | error | params/rank exact | other load (cores) |",
@@ -350,10 +391,13 @@ def write_report(result: dict[str, Any]) -> None:
         f"{hw['step_overhead'] * 1e3:.2f} ms, multi-process sync overhead {hw['sync_overhead'] * 1e3:.2f} ms and DDP "
         f"wrapper overhead {hw['dp_overhead'] * 1e3:.2f} ms per step, DTensor collective "
         f"overhead {hw['collective_overhead'] * 1e3:.2f} ms per tensor-parallel / FSDP collective, Adam "
-        f"{hw['optimizer_time'] * 1e9:.2f} ns/parameter, gloo latency {net['intra_latency'] * 1e6:.0f} us, and "
+        f"{hw['optimizer_time'] * 1e9:.2f} ns/parameter, contention {hw['contention']:.2f} (each of {CORES} processes "
+        "computing at once is that many times slower than one alone: both models' blocks timed in one process, then in "
+        f"{CORES} at once), gloo latency {net['intra_latency'] * 1e6:.0f} us, and "
         f"{net['intra_bandwidth'] / 1e9:.2f} GB/s reached by collectives inside training (gloo alone, two idle "
         f"processes: {result['loopback']['bandwidth'] / 1e9:.2f} GB/s); compute and host overheads x devices / "
-        f"{CORES} when processes outnumber cores (not the pipeline bubble: a rank waiting in it holds no core). The "
+        f"{CORES} when processes outnumber cores, and a pipeline's ranks compute faster while others wait in the "
+        "bubble (the schedule's share of time with each number of ranks busy). The "
         "pipeline action overhead is left at 0: solved from pipeline "
         "runs it came out at or below 0 on this machine (the per-micro-batch cost is inside the measured block times).",
         "",
@@ -367,13 +411,14 @@ def write_report(result: dict[str, Any]) -> None:
         "batch 8 / 16; the collective overhead and the bandwidth collectives reach in training from tp=2 runs at "
         "two batch sizes each (gpt 8 and 16, cnn 16 and 32). A constant solved below 0 is fixed at 0.",
     ]
-    write_results("planner_accuracy", result, "\n".join(lines) + "\n", result["wall_s"], indent=2, show=False)
+    name = "planner_accuracy" if result["repeats"] == 3 else f"planner_accuracy_repeats{result['repeats']}"
+    write_results(name, result, "\n".join(lines) + "\n", result["wall_s"], indent=2, show=False)
 
 
 def measure_round(built: dict[str, tuple], steps: int) -> dict[str, Any]:
     """Everything measured once: machine figures, block timings, calibration runs, then every layout."""
     started = time.perf_counter()
-    found: dict[str, Any] = {"network": measure_network()}
+    found: dict[str, Any] = {"network": measure_network(), "contention": measure_contention()}
     found["blocks"] = {key: time_blocks(key, model, sample) for key, (_, model, sample, _) in built.items()}
     found["adam"] = adam_seconds_per_parameter(built["gpt"][1])
     found["calibration"] = {
@@ -399,17 +444,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--time-blocks", help=argparse.SUPPRESS)  # a worker of measure_contention
     args = parser.parse_args()
+    if args.time_blocks:
+        return time_blocks_when_told(args.time_blocks)
     started = time.perf_counter()
     built = {key: build(key) for key in MODELS}
     rounds = [measure_round(built, args.steps) for _ in range(args.repeats)]
-    figures = median_of([{k: r[k] for k in ("network", "blocks", "adam", "calibration")} for r in rounds])
+    figures = median_of([{k: r[k] for k in ("network", "contention", "blocks", "adam", "calibration")} for r in rounds])
     network = Network(devices_per_node=64, intra_bandwidth=figures["network"]["bandwidth"],
                       intra_latency=figures["network"]["latency"], inter_bandwidth=figures["network"]["bandwidth"],
                       inter_latency=figures["network"]["latency"])  # fmt: skip
     workloads = {key: built[key][0].with_seconds(figures["blocks"][key]) for key in MODELS}
     base = Hardware(name="CPU process", memory="4GB", flops=1e12, efficiency=1.0, network=network,
-                    optimizer_time=figures["adam"])  # fmt: skip
+                    optimizer_time=figures["adam"], shared_cores=CORES,
+                    contention=figures["contention"]["contention"])  # fmt: skip
     base, calibration_runs = solve_overheads(workloads, base, figures["calibration"])
     rows = []
     for index, (key, layout) in enumerate(LAYOUTS):
@@ -444,7 +493,7 @@ def main() -> None:
         "repeated_runs": sum(a - 1 for r in rows for a in r["attempts"]),
         "loopback": figures["network"],
         "calibration": {"hardware": asdict(base), "runs": calibration_runs,
-                        "rounds": [{k: r[k] for k in ("network", "blocks", "adam")} for r in rounds],
+                        "rounds": [{k: r[k] for k in ("network", "contention", "blocks", "adam")} for r in rounds],
                         "block_seconds": figures["blocks"]},
         "layouts": rows,
     }  # fmt: skip

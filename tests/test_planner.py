@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from lightning_parallel.planner import (
     CostModel,
     Hardware,
     Layout,
+    Network,
     gpt_workload,
     measure_block_seconds,
     parse_bytes,
@@ -267,17 +269,37 @@ def test_measured_block_costs_drive_the_estimate() -> None:
     assert estimate.time["compute"] == pytest.approx(5 * (1e-3 + 10 * 1e-4))
 
 
-def test_shared_cores_slow_the_compute_but_not_the_bubble() -> None:
-    """More processes than cores (compute_scale 2): every rank computes half as fast, but a rank waiting in the
-    pipeline's bubble holds no core, so the bubble stays what it is on a core of its own."""
+def test_shared_cores_slow_the_compute_and_fill_the_bubble() -> None:
+    """Two pipeline ranks on one core (two processes, one core) compute half as fast while both compute, but a rank
+    waiting in the bubble holds no core: the other runs alone at full speed then, so the step is the work of both."""
     workload = gpt_workload(depth=4, width=256, heads=4, vocab_size=64, seq_len=32)
     layout = Layout(dp=1, pp=2, schedule="1f1b", microbatches=4)
     own, shared = (
-        CostModel(workload, Hardware(memory="1GB", flops=1e12, compute_scale=scale)).estimate(layout, batch=8).time
-        for scale in (1.0, 2.0)
+        CostModel(workload, Hardware(memory="1GB", flops=1e12, shared_cores=cores)).estimate(layout, batch=8)
+        for cores in (0, 1)
     )
-    assert shared["compute"] == pytest.approx(2 * own["compute"])
-    assert own["bubble"] > 0 and shared["bubble"] == pytest.approx(own["bubble"], rel=0.05)
+    assert shared.time["compute"] == pytest.approx(2 * own.time["compute"])
+    assert own.time["bubble"] > 0 and shared.time["bubble"] == pytest.approx(0.0, abs=1e-12)
+    work = 2 * own.time["compute"] + own.time["pp_comm"]  # both ranks' compute, one after the other, and the messages
+    assert shared.step_time - shared.time["overhead"] - shared.time["optimizer"] == pytest.approx(work, rel=1e-9)
+
+
+def test_contended_cores_slow_each_device_that_computes_at_once() -> None:
+    """Each of two devices sharing two cores computes ``contention`` times slower while both compute; a pipeline
+    rank computing alone in the other's bubble runs at full speed, so only part of the bubble is lost."""
+    free = Network(intra_bandwidth=1e30, intra_latency=0.0)  # messages cost nothing: compute alone decides
+    alone = Hardware(memory="1GB", flops=1e12, network=free)
+    contended = replace(alone, shared_cores=2, contention=1.5)
+    assert [contended.slowdown(n) for n in (1, 2, 4)] == [1.0, 1.5, 3.0]
+    workload = gpt_workload(depth=4, width=256, heads=4, vocab_size=64, seq_len=32)
+    own, shared = (CostModel(workload, h).estimate(Layout(dp=2), batch=8).time for h in (alone, contended))
+    assert shared["compute"] == pytest.approx(1.5 * own["compute"])
+    gpipe = Layout(dp=1, pp=2, schedule="gpipe", microbatches=2)
+    own, shared = (CostModel(workload, h).estimate(gpipe, batch=8).time for h in (alone, contended))
+    cost = schedule_cost("gpipe", pp=2, microbatches=2)  # one rank computes alone 2/3 of the step, both 1/3
+    assert cost.busy_ranks == pytest.approx((0.0, 2 / 3, 1 / 3))
+    step = own["compute"] + own["bubble"]  # at full speed
+    assert shared["compute"] + shared["bubble"] == pytest.approx(step * (2 / 3 + 1.5 / 3), rel=1e-9)
 
 
 BAD = {

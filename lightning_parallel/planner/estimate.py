@@ -111,9 +111,10 @@ class _Rank:
 
     params: float  # local parameters (tensor shard), before any data-parallel sharding
     largest_block: float  # local parameters of its largest block (what FSDP gathers at once)
-    fixed: float  # seconds per micro-batch that do not scale with its size
-    per_sample: float  # seconds per sample
-    comm_fixed: float
+    fixed: float  # seconds per micro-batch that do not scale with its size, computing alone
+    per_sample: float  # seconds per sample, computing alone
+    comm_fixed: float  # network seconds per micro-batch of its tensor-parallel collectives
+    collectives: int  # tensor-parallel collectives per micro-batch (each adds the hardware's collective overhead)
     comm_per_sample: float
     activations: float  # bytes saved per sample over all its stages
     rematerialised: float  # bytes per sample one checkpointed block rebuilds during its backward (the largest)
@@ -181,7 +182,7 @@ class CostModel:
     def _rank(self, split: tuple[tuple[int, ...], ...], stages: list[int], tp: int) -> _Rank:
         hw, net = self.hardware, self.hardware.network
         fixed = per_sample = comm_fixed = comm_per_sample = activations = rebuilt = params = largest = 0.0
-        count = 0
+        count = collectives = 0
         checkpointed = checkpointed_kinds(self.workload.blocks)
         for index in (i for s in stages for i in split[s]):
             block = self.workload.blocks[index]
@@ -194,19 +195,22 @@ class CostModel:
             count += 1
             shard = 1.0 - (block.tp_flops / block.flops if block.flops else 0.0) * (1.0 - 1.0 / tp)
             if block.seconds is not None:
-                fixed += block.seconds[0] * hw.compute_scale * recompute
-                per_sample += block.seconds[1] * shard * hw.compute_scale * recompute
+                fixed += block.seconds[0] * recompute
+                per_sample += block.seconds[1] * shard * recompute
             else:
-                fixed += hw.block_overhead * hw.compute_scale * recompute
-                per_sample += block.flops * shard / self.rate * hw.compute_scale * recompute
+                fixed += hw.block_overhead * recompute
+                per_sample += block.flops * shard / self.rate * recompute
             kept, rebuilding = kept_and_rematerialised(block, tp, mode, block_input)
             activations += kept * self.act_bytes
             rebuilt = max(rebuilt, rebuilding * self.act_bytes)
             for kind, elements in block.collectives if tp > 1 else ():
                 fixed_s, per_byte = net.collective_terms(kind, tp, 1)
-                comm_fixed += fixed_s + hw.collective_overhead * hw.compute_scale
+                comm_fixed += fixed_s
+                collectives += 1
                 comm_per_sample += per_byte * elements * self.act_bytes
-        return _Rank(params, largest, fixed, per_sample, comm_fixed, comm_per_sample, activations, rebuilt, count)
+        return _Rank(
+            params, largest, fixed, per_sample, comm_fixed, collectives, comm_per_sample, activations, rebuilt, count
+        )
 
     # ---- one layout ------------------------------------------------------------------------------
     def estimate(self, layout: Layout, *, batch: int) -> Estimate:
@@ -227,9 +231,10 @@ class CostModel:
                 stages_per_rank=layout.stages_per_rank,
             )
             bubble, in_flight, actions, exact = cost.bubble, cost.in_flight, cost.actions, cost.exact
+            stretch = self._stretch(layout, cost.busy_ranks)
         else:
-            bubble, in_flight, actions, exact = 0.0, (1,), 0, True
-        time = self._time(layout, ranks, stages, micro, bubble, actions)
+            bubble, in_flight, actions, exact, stretch = 0.0, (1,), 0, True, 1.0
+        time = self._time(layout, ranks, stages, micro, bubble, actions, stretch)
         memory = self._memory(layout, ranks, micro, in_flight)
         shard = layout.dp if layout.dp_shard else 1
         return Estimate(
@@ -263,41 +268,57 @@ class CostModel:
             )
 
     def _time(
-        self, layout: Layout, ranks: Sequence[_Rank], stages: Sequence[int], micro: int, bubble: float, actions: int
+        self,
+        layout: Layout,
+        ranks: Sequence[_Rank],
+        stages: Sequence[int],
+        micro: int,
+        bubble: float,
+        actions: int,
+        stretch: float,
     ) -> dict[str, float]:
         hw, net = self.hardware, self.hardware.network
+        scale = hw.slowdown(layout.devices)  # while every device computes
         m = layout.microbatches
         crosses = layout.pp * layout.tp > net.devices_per_node
         work = []
         for rank, figures in enumerate(ranks):
-            compute = figures.fixed + figures.per_sample * micro
-            tp_comm = figures.comm_fixed + figures.comm_per_sample * micro
+            compute = (figures.fixed + figures.per_sample * micro) * scale
+            tp_comm = figures.comm_fixed + figures.collectives * hw.collective_overhead * scale
+            tp_comm += figures.comm_per_sample * micro
             owned = [s for s, r in enumerate(stages) if r == rank]
             p2p = sum(self._messages(s, len(stages), layout, micro, crosses) for s in owned)
-            overhead = hw.action_overhead * hw.compute_scale * actions * len(owned)
+            overhead = hw.action_overhead * scale * actions * len(owned)
             work.append((compute + overhead, tp_comm, p2p))
         slowest = max(work, key=sum)
         busy = m * sum(slowest)
-        pipeline = busy / (1.0 - bubble) if bubble < 1 else busy
+        pipeline = (busy / (1.0 - bubble) if bubble < 1 else busy) * stretch
         backward = m * slowest[0] * 2 / 3
-        dp_comm = max(0.0, self._dp_comm(layout, ranks) - hw.dp_overlap * backward)
+        dp_comm = max(0.0, self._dp_comm(layout, ranks, scale) - hw.dp_overlap * backward)
         shard = layout.dp if layout.dp_shard else 1
-        optimizer = max(r.params for r in ranks) / shard * hw.optimizer_time * hw.compute_scale
+        optimizer = max(r.params for r in ranks) / shard * hw.optimizer_time * scale
         return {
             "compute": m * slowest[0],
             "tp_comm": m * slowest[1],
             "pp_comm": m * slowest[2],
-            "bubble": (pipeline - busy) / hw.compute_scale,  # a rank waiting in the bubble holds no core
+            "bubble": max(0.0, pipeline - busy),
             "dp_comm": dp_comm,
             "optimizer": optimizer,
-            "overhead": self._overhead(layout),
+            "overhead": self._overhead(layout) * scale,
         }
+
+    def _stretch(self, layout: Layout, busy_ranks: Sequence[float]) -> float:
+        """How much shorter a pipeline step is than the schedule at all-busy speed, where devices share cores: while
+        only some pipeline ranks compute (the warm-up, the cool-down), they compute faster."""
+        hw, others = self.hardware, layout.dp * layout.tp
+        everyone = hw.slowdown(layout.devices)
+        return sum(share * hw.slowdown(busy * others) / everyone for busy, share in enumerate(busy_ranks)) or 1.0
 
     def _overhead(self, layout: Layout) -> float:
         hw = self.hardware
         sync = hw.sync_overhead if layout.devices > 1 else 0.0
         wrapper = hw.dp_overhead if layout.dp > 1 and layout.pp == layout.tp == 1 else 0.0
-        return (hw.step_overhead + sync + wrapper) * hw.compute_scale
+        return hw.step_overhead + sync + wrapper
 
     def _messages(self, stage: int, num_stages: int, layout: Layout, micro: int, crosses: bool) -> float:
         """Receive the activation from the stage before, and the gradient from the stage after."""
@@ -311,7 +332,7 @@ class CostModel:
             seconds += self.hardware.network.send(after * micro * self.act_bytes, crosses_nodes=crosses)
         return seconds
 
-    def _dp_comm(self, layout: Layout, ranks: Sequence[_Rank]) -> float:
+    def _dp_comm(self, layout: Layout, ranks: Sequence[_Rank], scale: float) -> float:
         if layout.dp == 1:
             return 0.0
         net = self.hardware.network
@@ -321,7 +342,7 @@ class CostModel:
             return net.collective("all_reduce", worst.params * self.grad_bytes, layout.dp, stride)
         # FSDP: per block, gather the parameters for forward and again for backward, reduce-scatter the gradients
         fixed, per_byte = net.collective_terms("all_gather", layout.dp, stride)
-        fixed += self.hardware.collective_overhead * self.hardware.compute_scale
+        fixed += self.hardware.collective_overhead * scale
         traffic = worst.params * (2 * self.param_bytes + self.grad_bytes) * per_byte
         return 3 * worst.blocks * fixed + traffic
 

@@ -124,8 +124,10 @@ class Hardware:
             pp = tp = 1) on top of that: its forward hooks, buffer broadcast and barrier.
         optimizer_time: Seconds per local parameter for one optimizer step.
         dp_overlap: Fraction of the backward pass that hides data-parallel communication (0: none hidden).
-        compute_scale: Multiplies every compute time and host-side overhead; > 1 when devices share cores (CPU
-            processes outnumbering cores). The pipeline bubble is not scaled: a rank waiting in it holds no core.
+        shared_cores: Cores that all devices share (processes on one CPU machine); 0: each device computes on its
+            own (GPUs). Devices beyond the cores take turns; a rank waiting in a pipeline's bubble holds no core.
+        contention: How many times slower each device computes while ``shared_cores`` of them compute at once than
+            while one computes alone (shared caches, memory bandwidth, a VM's cores sharing physical ones).
         network: The links between devices.
     """
 
@@ -142,7 +144,8 @@ class Hardware:
     dp_overhead: float = 0.0
     optimizer_time: float = 0.0
     dp_overlap: float = 0.0
-    compute_scale: float = 1.0
+    shared_cores: int = 0
+    contention: float = 1.0
     network: Network = field(default_factory=Network)
 
     def __post_init__(self) -> None:
@@ -162,11 +165,22 @@ class Hardware:
         ):
             if not getattr(self, key) >= 0:
                 raise ValueError(f"hardware {key}={getattr(self, key)} must be >= 0 seconds. HINT: {key}=0")
-        if not self.compute_scale > 0:
-            raise ValueError(f"hardware compute_scale={self.compute_scale} must be > 0. HINT: compute_scale=1")
+        if self.shared_cores < 0 or not self.contention >= 1:
+            raise ValueError(
+                f"hardware shared_cores={self.shared_cores} must be >= 0 and contention={self.contention} >= 1. "
+                "HINT: shared_cores=0, contention=1 for devices that compute on their own"
+            )
         rates = self.flops.values() if isinstance(self.flops, Mapping) else [self.flops]
         if not rates or not all(float(rate) > 0 for rate in rates):
             raise ValueError(f"hardware flops {self.flops!r} must be > 0. HINT: e.g. flops=312e12")
+
+    def slowdown(self, busy: int) -> float:
+        """How many times slower each of ``busy`` devices computes while they all compute, than one alone."""
+        if self.shared_cores == 0 or busy <= 1:
+            return 1.0
+        running = min(busy, self.shared_cores)  # the rest wait for a core
+        contended = 1.0 + (self.contention - 1.0) * (running - 1) / max(1, self.shared_cores - 1)
+        return contended * max(1.0, busy / self.shared_cores)
 
     @property
     def memory_bytes(self) -> int:

@@ -1,5 +1,5 @@
-"""What a pipeline schedule costs a layout, known without launching: the idle (bubble) fraction under unit costs and
-the peak number of micro-batches whose activations each rank holds.
+"""What a pipeline schedule costs a layout, known without launching: the idle (bubble) fraction under unit costs, how
+many ranks are busy at once over the step, and the peak number of micro-batches whose activations each rank holds.
 
 Exact (by simulating torch's own action order, as ``pipeline.schedule_plan``) for small pipelines; for large ones
 extrapolated from a small pipeline with the same micro-batches-per-rank ratio, since building torch's orders for
@@ -9,9 +9,10 @@ extrapolated from a small pipeline with the same micro-batches-per-rank ratio, s
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
-from lightning_parallel.pipeline.schedule_plan import rank_actions, resolve_schedule, simulate
+from lightning_parallel.pipeline.schedule_plan import Timeline, rank_actions, resolve_schedule, simulate
 from lightning_parallel.pipeline.schedules import SCHEDULE_TRAITS
 
 # Up to these sizes the torch order is built and simulated (milliseconds); larger ones are extrapolated.
@@ -28,12 +29,15 @@ class ScheduleCost:
         in_flight: Per pipeline rank, the peak number of (stage, micro-batch) pairs holding activations.
         actions: Actions per (stage, micro-batch): 2 (forward, backward) or 3 (forward, input grad, weight grad).
         exact: Whether the figures come from simulating this very size (else extrapolated).
+        busy_ranks: ``busy_ranks[j]``: the fraction of the step during which exactly ``j`` ranks compute (what
+            devices that share cores run at; ``Hardware.slowdown``).
     """
 
     bubble: float
     in_flight: tuple[int, ...]
     actions: int
     exact: bool
+    busy_ranks: tuple[float, ...] = ()
 
 
 def valid_microbatches(name: str, pp: int, microbatches: int, stages_per_rank: int | None = None) -> bool:
@@ -79,7 +83,10 @@ def schedule_cost(name: str, *, pp: int, microbatches: int, stages_per_rank: int
         peak = microbatches * v
     else:
         peak = min(microbatches * v, round(max(small.in_flight) * pp / small_pp))
-    return ScheduleCost(bubble=idle / (idle + busy), in_flight=(peak,) * pp, actions=small.actions, exact=False)
+    bubble = idle / (idle + busy)
+    everyone = max(0.0, 1.0 - bubble * pp / (pp - 1))  # ranks join and leave the step one at a time, roughly
+    profile = (0.0, 1.0 - everyone, *(0.0,) * (pp - 2), everyone)
+    return ScheduleCost(bubble=bubble, in_flight=(peak,) * pp, actions=small.actions, exact=False, busy_ranks=profile)
 
 
 def _simulated(name: str, pp: int, microbatches: int, v: int) -> ScheduleCost:
@@ -99,8 +106,23 @@ def _simulated(name: str, pp: int, microbatches: int, v: int) -> ScheduleCost:
                 held.discard(key)
         peaks.append(peak)
     return ScheduleCost(
-        bubble=timeline.bubble_fraction, in_flight=tuple(peaks), actions=3 if spec.splits_backward else 2, exact=True
+        bubble=timeline.bubble_fraction,
+        in_flight=tuple(peaks),
+        actions=3 if spec.splits_backward else 2,
+        exact=True,
+        busy_ranks=busy_ranks(timeline, pp),
     )
+
+
+def busy_ranks(timeline: Timeline, pp: int) -> tuple[float, ...]:
+    """Fraction of the makespan during which exactly 0, 1, ..., pp ranks run an action."""
+    edges = sorted({t for events in timeline.events.values() for start, end, _ in events for t in (start, end)})
+    profile = [0.0] * (pp + 1)
+    for start, end in itertools.pairwise(edges):
+        middle = (start + end) / 2
+        busy = sum(any(s <= middle < e for s, e, _ in events) for events in timeline.events.values())
+        profile[busy] += (end - start) / timeline.makespan
+    return tuple(profile)
 
 
 def schedule_names() -> list[str]:
