@@ -49,6 +49,15 @@ def run_cli(
     )
 
 
+@pytest.fixture(scope="session")
+def single_and_ddp_sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`train.py -m strategy=single,ddp trainer.devices=2` run once, tiny: its result and the directory it ran in.
+    Shared by test_cli (the job directories) and test_sweep_report (the report of a real sweep), which each ran it."""
+    cwd = tmp_path_factory.mktemp("single_and_ddp_sweep")
+    tiny = ["trainer.max_epochs=1", "trainer.limit_train_batches=3", "trainer.limit_val_batches=1", "callbacks=none"]
+    return run_cli("-m", "strategy=single,ddp", "trainer.devices=2", "trainer.accelerator=cpu", *tiny, cwd=cwd), cwd
+
+
 @contextmanager
 def fake_world(size: int) -> Iterator[None]:
     """A process group of `size` ranks inside this process (torch's fake backend): DTensor shards without peers."""

@@ -2,7 +2,9 @@
 
 Each worker gets the same JSON payload and writes `rank<r>.pt` into the output directory. The workers are forked
 from one server process that imported torch, Lightning and the library once per test session: a fresh interpreter
-spends about 6 s of CPU importing them, which made process start-up most of every multi-process test here.
+spends about 9 s of CPU importing them (2026-11-26; about 1.5 s of it is transformers' AutoModel, which torchmetrics
+imports whenever transformers is installed, as the dev extra does), which made process start-up most of every
+multi-process test here.
 """
 
 from __future__ import annotations

@@ -178,6 +178,8 @@ def test_hugging_face_models_match_one_device_under_every_schedule_family(tmp_pa
     names = ["gpt2", "bert", "gpt2_untied"]
     # validation (a forward-only schedule) under a single-stage and a multi-stage schedule; the others train only
     validated = {"1f1b", "interleaved_zero_bubble"}
+    # GPT-2 (tied embedding and head, split over stages) under every family; BERT under the two validated ones only:
+    # gpipe and interleaved_1f1b run the same keyword-call and rebuilt-output code for it as for GPT-2
     configs = [
         {
             "name": name,
@@ -188,6 +190,7 @@ def test_hugging_face_models_match_one_device_under_every_schedule_family(tmp_pa
         }
         for name in names[:2]
         for schedule in SCHEDULES
+        if name == "gpt2" or schedule in validated
     ]
     # zbv (V layout) once the embedding and the head are not one tied parameter on one rank
     configs.append(

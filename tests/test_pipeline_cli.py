@@ -1,6 +1,6 @@
-"""The pipeline strategy from train.py: SimpleCNN and ResNet-18 in one sweep on 4 CPU processes (which also checks
-that consecutive multi-process jobs each get a fresh process group), the transformer, and bad input. (ResNet-152's
-split over 4 stages: tests/test_partition.py.)"""
+"""The pipeline strategy from train.py: ResNet-18 and the transformer on 4 CPU processes, SimpleCNN on 2 under a
+sweep of two zero-bubble schedules (which also checks that consecutive multi-process jobs each get a fresh process
+group), and bad input. (ResNet-152's split over 4 stages: tests/test_partition.py.)"""
 
 from __future__ import annotations
 
@@ -32,16 +32,17 @@ TINY_IMAGES = [
 
 
 @pytest.mark.slow
-def test_every_model_trains_on_four_pipeline_stages(tmp_path: Path) -> None:
+def test_resnet_and_transformer_train_on_four_pipeline_stages(tmp_path: Path) -> None:
+    """SimpleCNN is not run on 4 stages here (a third 4-process launch): it splits through the same image path as
+    ResNet-18, and runs pipelined from train.py on 2 stages in the split-backward sweep below."""
     images = run_cli(
-        "-m",
         "strategy=pipeline",
         "trainer.devices=4",
-        "model=simple_cnn,resnet18",
+        "model=resnet18",
         *TINY_IMAGES,
         *TINY,
+        "hydra.run.dir=images",
         cwd=tmp_path,
-        timeout=400,
     )
     assert images.returncode == 0, images.stderr[-3000:]
     tokens = run_cli(
@@ -68,8 +69,9 @@ def test_every_model_trains_on_four_pipeline_stages(tmp_path: Path) -> None:
         str(picture),
     ]
     drawn = subprocess.run(draw, capture_output=True, text=True)
-    assert drawn.returncode == 0 and picture.stat().st_size > 10_000, drawn.stderr
-    assert sorted(s["model"] for s in summaries) == ["GPT", "ResNet", "SimpleCNN"]
+    # `python -m` runs it without warnings (the package must not import its modules eagerly)
+    assert drawn.returncode == 0 and drawn.stderr == "" and picture.stat().st_size > 10_000, drawn.stderr
+    assert sorted(s["model"] for s in summaries) == ["GPT", "ResNet"]
     for summary in summaries:
         parallel = summary["parallel"]
         assert summary["world_size"] == 4 and parallel["pipeline_size"] == 4

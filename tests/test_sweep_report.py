@@ -9,17 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_cli
 
 from lightning_parallel.insight.sweep_report import COLUMNS, format_bytes, load_jobs, main, write_report
-
-TINY = [
-    "trainer.accelerator=cpu",
-    "trainer.max_epochs=1",
-    "trainer.limit_train_batches=3",
-    "trainer.limit_val_batches=1",
-    "callbacks=none",
-]
 
 
 def table(report: Path) -> dict[str, dict[str, str]]:
@@ -40,10 +31,12 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 @pytest.mark.slow
-def test_report_of_a_real_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    result = run_cli("-m", "strategy=single,ddp", "trainer.devices=2", *TINY, cwd=tmp_path)
+def test_report_of_a_real_sweep(
+    single_and_ddp_sweep: tuple[Any, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result, ran_in = single_and_ddp_sweep  # the sweep test_cli checks the job directories of
     assert result.returncode == 0, result.stderr[-3000:]
-    [sweep] = (tmp_path / "multirun").glob("*/*")
+    [sweep] = (ran_in / "multirun").glob("*/*")
     assert main([str(sweep), "--out", str(tmp_path / "report")]) == 0
     assert "| 1 | strategy=ddp | DDPStrategy | 2 |" in capsys.readouterr().out
     report = tmp_path / "report" / "report.md"
