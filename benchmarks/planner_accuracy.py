@@ -332,6 +332,24 @@ def solve_overheads(
     return base, record
 
 
+CONTENTION_STEPS = [step / 100 for step in range(151)]  # tried above the measured contention
+
+
+def solve_contention(
+    workloads: dict[str, Workload], base: Hardware, steady: dict[str, list[float]]
+) -> tuple[Hardware, list[dict[str, Any]]]:
+    """The contention inside training: from the one measured on bare compute up (in training, communication threads
+    and the runtime compete for the cores too), the value whose re-solved overheads fit the calibration runs best."""
+    best: tuple[float, Hardware, list[dict[str, Any]]] | None = None
+    for extra in CONTENTION_STEPS:
+        hardware, record = solve_overheads(workloads, replace(base, contention=base.contention + extra), steady)
+        misfit = sum((run["predicted_s"] / run["steady_s"] - 1) ** 2 for run in record)
+        if best is None or misfit < best[0]:
+            best = (misfit, hardware, record)
+    assert best is not None
+    return best[1], best[2]
+
+
 # ---- report --------------------------------------------------------------------------------------------------------
 def describe_layout(layout: Layout) -> str:
     name = {"single": "single", "ddp": "ddp", "fsdp": "fsdp"}.get(layout.kind, layout.label)
@@ -352,8 +370,13 @@ def write_report(result: dict[str, Any]) -> None:
     lines = [
         "# Planner accuracy: predicted vs measured step time",
         "",
-        f"`benchmarks/planner_accuracy.py`, {result['when']}, {result['machine']}; {result['wall_s'] / 60:.1f} min. "
-        f"Each layout ran {result['repeats']} times x {result['steps']} steps of `train.py` (interleaved, one thread "
+        f"`benchmarks/planner_accuracy.py`, {result['when']}, {result['machine']}; {result['wall_s'] / 60:.1f} min"
+        + (
+            f" (constants solved again on {result['solved']} from these measurements, `--from-results`). "
+            if "solved" in result
+            else ". "
+        )
+        + f"Each layout ran {result['repeats']} times x {result['steps']} steps of `train.py` (interleaved, one thread "
         f"per process, gloo). **Measured** = the slowest rank's median step after the first {WARMUP_STEPS} (recorded "
         "by a callback the benchmark adds), median over the runs; the planner predicts this steady-state step. "
         "`step_time_s` of summary.json (mean over all steps, warm-up included) is shown next to it. Other "
@@ -391,9 +414,10 @@ def write_report(result: dict[str, Any]) -> None:
         f"{hw['step_overhead'] * 1e3:.2f} ms, multi-process sync overhead {hw['sync_overhead'] * 1e3:.2f} ms and DDP "
         f"wrapper overhead {hw['dp_overhead'] * 1e3:.2f} ms per step, DTensor collective "
         f"overhead {hw['collective_overhead'] * 1e3:.2f} ms per tensor-parallel / FSDP collective, Adam "
-        f"{hw['optimizer_time'] * 1e9:.2f} ns/parameter, contention {hw['contention']:.2f} (each of {CORES} processes "
-        "computing at once is that many times slower than one alone: both models' blocks timed in one process, then in "
-        f"{CORES} at once), gloo latency {net['intra_latency'] * 1e6:.0f} us, and "
+        f"{hw['optimizer_time'] * 1e9:.2f} ns/parameter, contention {hw['contention']:.2f} inside training (each of "
+        f"{CORES} processes computing at once is that many times slower than one alone; solved from the calibration "
+        f"runs, from the {result['calibration']['measured_contention']:.2f} measured on bare compute up: both models' "
+        f"blocks timed in one process, then in {CORES} at once), gloo latency {net['intra_latency'] * 1e6:.0f} us, and "
         f"{net['intra_bandwidth'] / 1e9:.2f} GB/s reached by collectives inside training (gloo alone, two idle "
         f"processes: {result['loopback']['bandwidth'] / 1e9:.2f} GB/s); compute and host overheads x devices / "
         f"{CORES} when processes outnumber cores, and a pipeline's ranks compute faster while others wait in the "
@@ -440,18 +464,58 @@ def median_of(values: list[Any]) -> Any:
     return statistics.median(values)
 
 
+def recorded(path: str) -> tuple[dict[str, Any], list[list[dict[str, Any]]], dict[str, Any]]:
+    """The figures, per-layout runs and facts of an earlier result file, to solve and report again without running."""
+    old = json.loads(Path(path).read_text())
+    rounds = old["calibration"]["rounds"]
+    steady: dict[str, list[float]] = {}
+    runs = iter(old["calibration"]["runs"])  # in CALIBRATION order
+    for constants, group in CALIBRATION.items():
+        steady[group_name(constants)] = [next(runs)["steady_s"] for _ in group]
+    figures = {"network": old["loopback"], "blocks": old["calibration"]["block_seconds"],
+               "adam": median_of([r["adam"] for r in rounds]),
+               "contention": median_of([r["contention"] for r in rounds]), "calibration": steady}  # fmt: skip
+    layout_runs = [
+        [{"steady_s": s, "step_time_s": t, "others_cores": o, "attempts": a,
+          "parameter_bytes_per_rank": row["parameter_bytes_measured"]}
+         for s, t, o, a in zip(row["measured_runs_s"], row["summary_runs_s"], row["others_cores"], row["attempts"],
+                               strict=True)]
+        for row in old["layouts"]
+    ]  # fmt: skip
+    facts = {k: old[k] for k in ("when", "machine", "steps", "repeats", "wall_s")} | {"rounds": rounds}
+    return figures, layout_runs, facts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--from-results", help="solve and report again from this result file's measurements")
     parser.add_argument("--time-blocks", help=argparse.SUPPRESS)  # a worker of measure_contention
     args = parser.parse_args()
     if args.time_blocks:
         return time_blocks_when_told(args.time_blocks)
     started = time.perf_counter()
     built = {key: build(key) for key in MODELS}
-    rounds = [measure_round(built, args.steps) for _ in range(args.repeats)]
-    figures = median_of([{k: r[k] for k in ("network", "contention", "blocks", "adam", "calibration")} for r in rounds])
+    if args.from_results:
+        figures, layout_runs, facts = recorded(args.from_results)
+        facts["solved"] = time.strftime("%Y-%m-%d %H:%M")
+    else:
+        rounds = [measure_round(built, args.steps) for _ in range(args.repeats)]
+        figures = median_of([{k: r[k] for k in ("network", "contention", "blocks", "adam", "calibration")}
+                             for r in rounds])  # fmt: skip
+        layout_runs = [[r["layouts"][index] for r in rounds] for index in range(len(LAYOUTS))]
+        kept = ("network", "contention", "blocks", "adam")
+        facts = {"when": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "steps": args.steps,
+                 "repeats": args.repeats, "wall_s": time.perf_counter() - started,
+                 "rounds": [{k: r[k] for k in kept} for r in rounds]}  # fmt: skip
+    write_report(analyse(built, figures, layout_runs, facts))
+
+
+def analyse(
+    built: dict[str, tuple], figures: dict[str, Any], layout_runs: list[list[dict[str, Any]]], facts: dict[str, Any]
+) -> dict[str, Any]:
+    """Solve the constants from the calibration runs, predict every layout and compare with its runs."""
     network = Network(devices_per_node=64, intra_bandwidth=figures["network"]["bandwidth"],
                       intra_latency=figures["network"]["latency"], inter_bandwidth=figures["network"]["bandwidth"],
                       inter_latency=figures["network"]["latency"])  # fmt: skip
@@ -459,12 +523,11 @@ def main() -> None:
     base = Hardware(name="CPU process", memory="4GB", flops=1e12, efficiency=1.0, network=network,
                     optimizer_time=figures["adam"], shared_cores=CORES,
                     contention=figures["contention"]["contention"])  # fmt: skip
-    base, calibration_runs = solve_overheads(workloads, base, figures["calibration"])
+    base, calibration_runs = solve_contention(workloads, base, figures["calibration"])
     rows = []
-    for index, (key, layout) in enumerate(LAYOUTS):
+    for (key, layout), runs in zip(LAYOUTS, layout_runs, strict=True):
         batch = int(built[key][3].data.batch_size)
         estimate = predict(workloads[key], base, layout, batch)
-        runs = [r["layouts"][index] for r in rounds]
         median = statistics.median(r["steady_s"] for r in runs)
         summary_median = statistics.median(r["step_time_s"] for r in runs)
         predicted_bytes = [p * 4 for p in estimate.parameters_per_rank]
@@ -485,19 +548,17 @@ def main() -> None:
         print(f"{key:4s} {describe_layout(layout):40s} predicted {estimate.step_time * 1e3:7.1f} ms  steady "
               f"{median * 1e3:7.1f} ms  error {rows[-1]['error']:+.1%}  (summary {summary_median * 1e3:.1f} ms)",
               flush=True)  # fmt: skip
-    result = {
-        "when": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": machine(),
-        "steps": args.steps, "repeats": args.repeats, "target": TARGET, "wall_s": time.perf_counter() - started,
+    rounds = facts.pop("rounds")
+    return {
+        **facts, "target": TARGET,
         "others_median": statistics.median(x for r in rows for x in r["others_cores"]),
         "repeated_runs": sum(a - 1 for r in rows for a in r["attempts"]),
         "loopback": figures["network"],
-        "calibration": {"hardware": asdict(base), "runs": calibration_runs,
-                        "rounds": [{k: r[k] for k in ("network", "contention", "blocks", "adam")} for r in rounds],
+        "calibration": {"hardware": asdict(base), "runs": calibration_runs, "rounds": rounds,
+                        "measured_contention": figures["contention"]["contention"],
                         "block_seconds": figures["blocks"]},
         "layouts": rows,
     }  # fmt: skip
-    write_report(result)
 
 
 if __name__ == "__main__":
