@@ -115,13 +115,14 @@ def _simulated(name: str, pp: int, microbatches: int, v: int) -> ScheduleCost:
 
 
 def busy_ranks(timeline: Timeline, pp: int) -> tuple[float, ...]:
-    """Fraction of the makespan during which exactly 0, 1, ..., pp ranks run an action."""
-    edges = sorted({t for events in timeline.events.values() for start, end, _ in events for t in (start, end)})
+    """Fraction of the makespan during which exactly 0, 1, ..., pp ranks run an action (one sweep over the events)."""
+    changes = sorted((t, step) for events in timeline.events.values() for start, end, _ in events
+                     for t, step in ((start, 1), (end, -1)))  # fmt: skip
     profile = [0.0] * (pp + 1)
-    for start, end in itertools.pairwise(edges):
-        middle = (start + end) / 2
-        busy = sum(any(s <= middle < e for s, e, _ in events) for events in timeline.events.values())
-        profile[busy] += (end - start) / timeline.makespan
+    busy = 0
+    for (time, step), (later, _) in itertools.pairwise([*changes, (timeline.makespan, 0)]):
+        busy += step
+        profile[busy] += (later - time) / timeline.makespan
     return tuple(profile)
 
 
