@@ -48,11 +48,6 @@ def python_blocks() -> list[tuple[str, str, str | None]]:
     ]
 
 
-def case_id(value: object) -> str:
-    """A parametrized case's id: where the block or command is (page:line, or the example file)."""
-    return value if isinstance(value, str) and (":" in value or value.startswith("examples")) else ""
-
-
 def chunks(text: str) -> list[list[str]]:
     """The block split at its elision lines (`# ...`), each chunk dedented."""
     parts: list[list[str]] = [[]]
@@ -77,7 +72,7 @@ def excerpt_error(text: str, source: str) -> str | None:
     return None
 
 
-@pytest.mark.parametrize(("where", "text", "example"), python_blocks(), ids=case_id)
+@pytest.mark.parametrize(("where", "text", "example"), python_blocks(), ids=[b[0] for b in python_blocks()])
 def test_python_block_runs_or_is_an_example_excerpt(where: str, text: str, example: str | None) -> None:
     if example is not None:
         source = (ROOT / example).read_text()
@@ -130,7 +125,7 @@ def overrides_of(arguments: list[str]) -> tuple[list[str], str | None]:
     return result, launcher
 
 
-@pytest.mark.parametrize(("where", "script", "arguments"), commands(), ids=case_id)
+@pytest.mark.parametrize(("where", "script", "arguments"), commands(), ids=[c[0] for c in commands()])
 def test_train_and_plan_commands_compose(where: str, script: str, arguments: list[str]) -> None:
     overrides, launcher = overrides_of(arguments)
     if launcher is not None:
