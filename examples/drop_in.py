@@ -6,6 +6,7 @@ training accuracy is a torchmetrics metric updated in `training_step`; the loade
     python examples/drop_in.py --strategy pipeline --devices 2        # 2 pipeline stages (split by tracing)
     python examples/drop_in.py --strategy tensor_parallel --devices 2 # convs and Linears sharded automatically
     python examples/drop_in.py --strategy ddp --devices 2             # Lightning's own DDP, for comparison
+    python examples/drop_in.py --strategy diloco --devices 2          # or local_sgd, async_sgd
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-import lightning_parallel  # noqa: F401 - registers strategy="pipeline" and "tensor_parallel"
+import lightning_parallel  # noqa: F401 - registers strategy="pipeline", "tensor_parallel", "diloco", ...
 
 
 class Net(nn.Module):
@@ -77,31 +78,30 @@ def loaders() -> tuple[DataLoader, DataLoader]:
     return DataLoader(train, batch_size=32, shuffle=True), DataLoader(val, batch_size=100)
 
 
+def fit(strategy: str = "auto", devices: int = 1, epochs: int = 3, max_steps: int = -1) -> L.Trainer:
+    """Train, then validate: `trainer.callback_metrics["val_acc"]` is the same on every rank."""
+    L.seed_everything(0)
+    train_loader, val_loader = loaders()
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy,  # strategy="pipeline", ...
+                        max_epochs=epochs, max_steps=max_steps, logger=False, enable_checkpointing=False)  # fmt: skip
+    with trainer.init_module():  # optional: under pipeline, each rank materialises only its own stages
+        net = Net()
+    model = LitClassifier(net)
+    trainer.fit(model, train_loader, val_loader)
+    trainer.validate(model, val_loader, verbose=False)
+    return trainer
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", default="auto")
+    parser.add_argument("--strategy", default="auto", help="auto, pipeline, tensor_parallel, local_sgd, diloco, ...")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--max-steps", type=int, default=-1)
     args = parser.parse_args()
-    L.seed_everything(0)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=args.devices,
-        strategy=args.strategy,
-        max_epochs=args.epochs,
-        max_steps=args.max_steps,
-        logger=False,
-        enable_checkpointing=False,
-    )
-    with trainer.init_module():  # optional: under pipeline, each rank materialises only its own stages
-        net = Net()
-    model = LitClassifier(net)
-    train, val = loaders()
-    trainer.fit(model, train, val)
-    accuracy = trainer.validate(model, val, verbose=False)[0]["val_acc"]
+    trainer = fit(args.strategy, args.devices, args.epochs, args.max_steps)
     if trainer.is_global_zero:
-        print(f"val_acc {accuracy:.3f}")
+        print(f"val_acc {float(trainer.callback_metrics['val_acc']):.3f}")
 
 
 if __name__ == "__main__":

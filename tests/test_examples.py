@@ -1,24 +1,79 @@
-"""The README's examples run as written: examples/drop_in.py, unchanged but for
-`--strategy`, under the pipeline strategy on 2 CPU processes (its modules under tensor_parallel: test_drop_in)."""
+"""The examples the docs show run as written, at toy size, one launch each: examples/drop_in.py under the pipeline on 2
+CPU processes and under every registered strategy name in this process (one device each: the name resolves, the
+user's module trains and validates); examples/hf_causal_lm_3d.py trains a transformers GPT-2 on padded batches under
+the pipeline on 2 processes and exports it back (the same script at pp2 x tp2 differs only in its arguments; that
+layout's parity and export are tests/test_hf_tensor.py's and test_hf_pipeline.py's); examples/cluster/
+torchrun_restarts.sh runs its torchrun command (`--max-restarts`, `ckpt_path=last`) with one worker."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("strategy", "devices"), [("pipeline", 2)])  # tensor_parallel: test_drop_in
-def test_drop_in_example_runs(strategy: str, devices: int, tmp_path: Path) -> None:
-    command = [sys.executable, str(EXAMPLES / "drop_in.py"), "--strategy", strategy, "--devices", str(devices)]
-    command += ["--epochs", "1", "--max-steps", "6"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+def test_drop_in_example_runs_under_the_pipeline(tmp_path: Path) -> None:
+    command = [sys.executable, str(EXAMPLES / "drop_in.py"), "--strategy", "pipeline", "--devices", "2"]
+    done = subprocess.run([*command, "--epochs", "1", "--max-steps", "6"], cwd=tmp_path, env=ENV, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "val_acc 0." in done.stdout
+
+
+def test_drop_in_example_trains_under_every_registered_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_parallel
+
+    spec = importlib.util.spec_from_file_location("drop_in", EXAMPLES / "drop_in.py")
+    assert spec is not None and spec.loader is not None
+    drop_in = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(drop_in)
+    monkeypatch.chdir(tmp_path)
+    names = list(lightning_parallel._REGISTERED)
+    assert {"pipeline", "tensor_parallel", "local_sgd", "diloco", "async_sgd"} <= set(names) <= set(StrategyRegistry)
+    for name in ["auto", *names]:
+        with monkeypatch.context() as fit_env:  # Lightning leaves MASTER_PORT and the group behind, as train.py says
+            for key in ("MASTER_ADDR", "MASTER_PORT"):
+                fit_env.delenv(key, raising=False)
+            trainer = drop_in.fit(strategy=name, devices=1, epochs=1, max_steps=2)
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        assert trainer.global_step == 2 and 0 <= float(trainer.callback_metrics["val_acc"]) <= 1, name
+
+
+@pytest.mark.slow
+def test_transformers_example_trains_padded_batches_and_exports_them_back(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    command = [sys.executable, str(EXAMPLES / "hf_causal_lm_3d.py"), "--devices", "2", "--pp", "2", "--tp", "1"]
+    command += ["--layers", "2", "--steps", "2", "--out", str(tmp_path / "out")]
+    done = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "exported to" in done.stdout
+    config = json.loads((tmp_path / "out" / "gpt2" / "config.json").read_text())
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["n_layer"] == 2
+    assert (tmp_path / "out" / "gpt2" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_torchrun_recipe_runs_and_writes_its_run_directory(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    env = {**ENV, "NPROC": "1", "PORT": "0", "RUN_DIR": str(run), "PYTHON": sys.executable}
+    toy = ["model.depth=1", "model.width=16", "model.heads=2", "data.num_samples=64", "data.seq_len=8"]
+    toy += ["trainer.max_steps=2", "callbacks.step_checkpoint.every_n_train_steps=1", "callbacks.progress_bar=null"]
+    done = subprocess.run(["bash", str(EXAMPLES / "cluster" / "torchrun_restarts.sh"), *toy], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["strategy"] == "PipelineParallelStrategy"
+    assert (run / "checkpoints" / "step=2.ckpt").exists()
