@@ -52,10 +52,11 @@ def write_pretrained(
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
     """Write `config.json` and the weights as `save_pretrained` does: `model.safetensors` within one shard, otherwise
-    `model-0000i-of-0000N.safetensors` files of at most `max_shard_size` bytes each and `model.safetensors.index.json`
-    (metadata `{"format": "pt"}` in every file), so `AutoModel*.from_pretrained(out_dir)` builds the model. `tensors`
-    gives names, shapes and dtypes (their values are not read); `read(names)` returns those tensors whole, and is
-    called once per file. Weight files of an earlier export in `out_dir` that this one does not write are removed."""
+    `model-0000i-of-0000N.safetensors` files of at most `max_shard_size` bytes each (a larger tensor alone in one) and
+    `model.safetensors.index.json`, metadata `{"format": "pt"}` in every file, so `AutoModel*.from_pretrained(out_dir)`
+    builds the model. `tensors` gives names, shapes and dtypes (their values are not read); `read(names)` returns those
+    tensors whole, and is called once per file. An earlier export's weight files that this one does not write are
+    removed."""
     try:
         from safetensors.torch import save_file  # installed with transformers; the library does not need it otherwise
     except ImportError:
