@@ -7,7 +7,7 @@ decides who writes what and when (see strategies/base.py). Every read runs no co
 caller passes `weights_only=False` for a checkpoint it trusts (see unpickling.py).
 
 Export to one file: `python -m lightning_parallel.checkpoint export CHECKPOINT_DIR OUT.ckpt`
-Export a transformers model as a Hugging Face directory: `... export CHECKPOINT OUT_DIR --hf` (see hf_format.py)
+Export a transformers model as a Hugging Face directory: `... export CHECKPOINT OUT_DIR --hf [--max-shard-size 5GB]`
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_parallel.hf_format import RECORD_KEY, pick_record, pretrained_tensors, write_pretrained
+from lightning_parallel.hf_directory import DEFAULT_MAX_SHARD_SIZE
 from lightning_parallel.unpickling import (
     METADATA_FILE,
     CheckedLoadPlanner,
@@ -161,11 +161,11 @@ def saved_tensors(path: str | os.PathLike, *, weights_only: bool = True) -> dict
     if path.is_dir():
         read_meta(path, weights_only=weights_only)
         return sharded_tensors(path, weights_only=weights_only)
-    state = _load_single_file(path, weights_only=weights_only)[MODEL_KEY]
+    state = load_single_file(path, weights_only=weights_only)[MODEL_KEY]
     return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def _load_single_file(path: Path, *, weights_only: bool) -> dict[str, Any]:
+def load_single_file(path: Path, *, weights_only: bool) -> dict[str, Any]:
     """A Lightning checkpoint file, memory-mapped (tensors read when used); one line for a file that is not one."""
     try:
         checkpoint = load_file(path, weights_only=weights_only, mmap=True)
@@ -243,17 +243,15 @@ def load_shards(state: dict[str, Any], path: str | os.PathLike, *, weights_only:
         raise
 
 
-def whole_state(path: str | os.PathLike, *, weights_only: bool = True, only: str | None = None) -> dict[str, Any]:
+def whole_state(path: str | os.PathLike, *, weights_only: bool = True) -> dict[str, Any]:
     """Everything a sharded checkpoint's shards hold, as whole tensors in their saved nesting (`state_dict`,
-    `optimizer_0`, ...), built from its metadata (what `dcp_to_torch_save` does, with checked reads); with `only`,
-    just that entry (`only=MODEL_KEY`: the model, not the optimizers). Tensor-parallel shards come back whole."""
+    `optimizer_0`, ...), built from its metadata (what `dcp_to_torch_save` does, with checked reads). Tensor-parallel
+    shards come back whole."""
     metadata = read_metadata(path, weights_only=weights_only)
     state: dict[str, Any] = {}
     for key, item in metadata.state_dict_metadata.items():
         value = torch.empty(item.size, dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
         *parents, last = (metadata.planner_data or {}).get(key, (key,))  # our saves nest by name: dicts only
-        if only is not None and (parents or [last])[0] != only:
-            continue
         node = state
         for part in parents:
             node = node.setdefault(part, {})
@@ -274,24 +272,14 @@ def export(path: str | os.PathLike, out: str | os.PathLike, *, weights_only: boo
     return out
 
 
-def export_pretrained(path: str | os.PathLike, out_dir: str | os.PathLike, *, weights_only: bool = True) -> Path:
-    """Write the transformers model a checkpoint (a sharded directory or one Lightning file, of any layout) recorded
-    at save time as a Hugging Face `save_pretrained` directory, without the LightningModule that trained it."""
-    if Path(path).is_dir():
-        record = read_meta(path, weights_only=weights_only).get(RECORD_KEY)
-        attribute, described = pick_record(record, path)  # before the shards are read
-        state = whole_state(path, weights_only=weights_only, only=MODEL_KEY).get(MODEL_KEY, {})
-    else:
-        checkpoint = _load_single_file(Path(path), weights_only=weights_only)
-        attribute, described = pick_record(checkpoint.get(RECORD_KEY), path)
-        state = checkpoint[MODEL_KEY]
-    return write_pretrained(out_dir, pretrained_tensors(state, attribute, described), described)
-
-
 TRUSTED_HELP = "read a checkpoint you trust even if loading it can run code from it (weights_only=False)"
 HF_HELP = (
-    "write the transformers model the checkpoint recorded as a Hugging Face save_pretrained directory (config.json + "
-    "model.safetensors) that AutoModel*.from_pretrained reads"
+    "write the transformers model the checkpoint recorded as a Hugging Face save_pretrained directory (config.json, "
+    "safetensors files and their index) that AutoModel*.from_pretrained reads, one file in memory at a time"
+)
+SHARD_HELP = (
+    f"with --hf: the largest weight file, in bytes or with a unit as save_pretrained takes it (5GB, 500MB; default "
+    f"{DEFAULT_MAX_SHARD_SIZE}, transformers' own); the export's memory is about one such file"
 )
 
 
@@ -302,11 +290,18 @@ def main(argv: list[str] | None = None) -> int:
     exporter.add_argument("checkpoint", help="the checkpoint (e.g. <run>/checkpoints/last.ckpt; with --hf also a file)")
     exporter.add_argument("out", help="the single file to write (with --hf: the directory)")
     exporter.add_argument("--hf", action="store_true", help=HF_HELP)
+    exporter.add_argument("--max-shard-size", help=SHARD_HELP)
     exporter.add_argument("--trusted", action="store_true", help=TRUSTED_HELP)
     args = parser.parse_args(argv)
+    if args.max_shard_size is not None and not args.hf:
+        print("error: --max-shard-size sizes the files of --hf. HINT: add --hf, or leave it out", file=sys.stderr)
+        return 2
+    shards = {"max_shard_size": args.max_shard_size or DEFAULT_MAX_SHARD_SIZE} if args.hf else {}
+    from lightning_parallel.hf_export import export_pretrained  # which imports this module
+
     write = export_pretrained if args.hf else export
     try:
-        written = write(args.checkpoint, args.out, weights_only=not args.trusted)
+        written = write(args.checkpoint, args.out, weights_only=not args.trusted, **shards)
     except UntrustedCheckpoint as error:
         print(f"error: {error.line('--trusted')}", file=sys.stderr)
         return 2

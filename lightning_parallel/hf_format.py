@@ -1,22 +1,21 @@
 """Checkpoints back to Hugging Face: which submodule of a LightningModule is a `transformers` model (recorded at save
-time as plain data, so checkpoints still read with weights_only=True) and the `save_pretrained` directory written from
-its whole tensors (config.json + model.safetensors, tied weights once). transformers itself is never imported: a model
-is recognised by its `config` (`to_dict` and a `model_type`). Reading the checkpoint is `checkpoint.py`'s.
+time as plain data, so checkpoints still read with weights_only=True) and which saved tensors its `save_pretrained`
+directory holds, under which names (tied weights once). transformers itself is never imported: a model is recognised
+by its `config` (`to_dict` and a `model_type`). Reading the checkpoint is `hf_export.py`'s, writing `hf_directory.py`'s.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 RECORD_KEY = "hugging_face"  # the checkpoint entry: {attribute path: description} of each transformers model
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
+Reader = Callable[[list[str]], dict[str, torch.Tensor]]  # names -> those tensors, read whole
 
 
 def pretrained_models(module: nn.Module) -> dict[str, nn.Module]:
@@ -80,64 +79,51 @@ def pick_record(records: Any, source: str | os.PathLike) -> tuple[str, dict[str,
     return path, record
 
 
-def pretrained_tensors(state: dict[str, Any], path: str, record: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The model's tensors from a LightningModule's whole state dict, named as in the model class (the attribute
-    prefix `path.` stripped), each tied weight once under its source's name, as `save_pretrained` stores them."""
+def pretrained_view(
+    saved: dict[str, torch.Tensor], read: Reader, path: str, record: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], Reader]:
+    """The model's tensors as `save_pretrained` stores them, from a LightningModule's saved tensors (`saved`: their
+    shapes and dtypes, e.g. on the meta device; `read`: the whole tensors of some of those names): named as in the model
+    class (the attribute prefix `path.` stripped), each tied weight once under its source's name, the model's
+    `_keys_to_ignore_on_save` left out. Returns those tensors' shapes and a reader by those names, which also reads each
+    tied copy with its source and refuses one that differs (one more tensor in memory, never the whole model)."""
     prefix = f"{path}." if path else ""
-    tensors = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix) and isinstance(v, torch.Tensor)}
-    if not tensors:
+    names = {k[len(prefix) :]: k for k, v in saved.items() if k.startswith(prefix) and isinstance(v, torch.Tensor)}
+    if not names:
         raise ValueError(
             f"the checkpoint has no tensors under '{path}', where its {record['class']} was recorded. HINT: export "
             "a checkpoint the run saved with its weights (not a partial or foreign state dict)"
         )
-    for target, source in record["tied"].items():
-        if target in tensors and source in tensors:
-            if not torch.equal(tensors[target], tensors[source]):
-                gap = float((tensors[target].float() - tensors[source].float()).abs().max())
-                raise ValueError(
-                    f"{record['class']} ties {target} to {source}, but the checkpoint holds different values "
-                    f"(max abs difference {gap:.2e}), so one of them would be lost. HINT: export with --hf only "
-                    "checkpoints whose tied weights stayed tied in training"
-                )
-            del tensors[target]
+    ties = [(target, source) for target, source in record["tied"].items() if target in names and source in names]
+    copies = {target: names.pop(target) for target, _ in ties}
     for key in record["not_saved"]:
-        tensors.pop(key, None)
-    return tensors
+        names.pop(key, None)
+
+    def read_named(wanted: list[str]) -> dict[str, torch.Tensor]:
+        checked = [(target, source) for target, source in ties if source in wanted]
+        tensors = read([names[name] for name in wanted] + [copies[target] for target, _ in checked])
+        for target, source in checked:
+            _check_tied(record["class"], target, source, tensors.pop(copies[target]), tensors[names[source]])
+        return {name: tensors[names[name]] for name in wanted}
+
+    return {name: saved[key] for name, key in names.items()}, read_named
 
 
-def write_pretrained(out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], record: dict[str, Any]) -> Path:
-    """Write `config.json` and `model.safetensors` (metadata `{"format": "pt"}`) as `save_pretrained` does, so
-    `AutoModel*.from_pretrained(out_dir)` builds the recorded class with these weights."""
-    try:
-        from safetensors.torch import save_file  # installed with transformers; the library does not need it otherwise
-    except ImportError:
-        raise ValueError("export --hf writes model.safetensors. HINT: pip install safetensors") from None
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    floating = [t.dtype for t in tensors.values() if t.is_floating_point()]
+def _check_tied(model: str, target: str, source: str, copy: torch.Tensor, kept: torch.Tensor) -> None:
+    if not torch.equal(copy, kept):
+        gap = float((copy.float() - kept.float()).abs().max())
+        raise ValueError(
+            f"{model} ties {target} to {source}, but the checkpoint holds different values (max abs difference "
+            f"{gap:.2e}), so one of them would be lost. HINT: export with --hf only checkpoints whose tied weights "
+            "stayed tied in training"
+        )
+
+
+def pretrained_config(record: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """`config.json` as `save_pretrained` writes it: the recorded config plus `architectures` and the model's `dtype`
+    (its first floating tensor's), which `from_pretrained` may load in."""
     config = {**record["config"], "architectures": [record["class"]]}
-    if floating:  # save_pretrained records the model's dtype, which from_pretrained may load in
+    floating = [t.dtype for t in tensors.values() if t.is_floating_point()]
+    if floating:
         config["dtype"] = str(floating[0]).removeprefix("torch.")
-    _replace(out / CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"))
-    _replace(out / WEIGHTS_FILE, lambda tmp: save_file(_unshared(tensors), str(tmp), metadata={"format": "pt"}))
-    return out
-
-
-def _replace(file: Path, write: Any) -> None:
-    """Write through a temporary name, so an interrupted export never leaves a half-written file under `file`."""
-    tmp = file.with_name(file.name + ".partial")
-    write(tmp)
-    os.replace(tmp, file)
-
-
-def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Contiguous tensors, none sharing storage with another (safetensors refuses aliases; a plain checkpoint's
-    tensors may be views of one storage)."""
-    seen: set[int] = set()
-    out = {}
-    for name, tensor in tensors.items():
-        tensor = tensor.detach().contiguous()
-        pointer = tensor.untyped_storage().data_ptr()
-        out[name] = tensor.clone() if pointer in seen else tensor
-        seen.add(pointer)
-    return out
+    return config

@@ -238,15 +238,22 @@ def _is_dtensor(param: torch.Tensor) -> bool:
 
 
 def exported_logits_gap(
-    checkpoint: str, state: dict[str, torch.Tensor], out_dir: str, tied: bool = True, layers: int = 4
+    checkpoint: str,
+    state: dict[str, torch.Tensor],
+    out_dir: str,
+    tied: bool = True,
+    layers: int = 4,
+    max_shard_size: str | None = None,
 ) -> float:
-    """`export CHECKPOINT OUT_DIR --hf`, then `AutoModelForCausalLM.from_pretrained(OUT_DIR)`: the largest gap between
-    its logits and those of GPT-2 holding `state` (a LightningModule's parameters, `model.` names: the trained run)."""
+    """`export CHECKPOINT OUT_DIR --hf [--max-shard-size SIZE]`, then `AutoModelForCausalLM.from_pretrained(OUT_DIR)`:
+    the largest gap between its logits and those of GPT-2 holding `state` (a LightningModule's parameters, `model.`
+    names: the trained run)."""
     from transformers import AutoModelForCausalLM
 
     from lightning_parallel.checkpoint import main
 
-    assert main(["export", checkpoint, out_dir, "--hf"]) == 0
+    sized = ["--max-shard-size", max_shard_size] if max_shard_size else []
+    assert main(["export", checkpoint, out_dir, "--hf", *sized]) == 0
     trained = gpt2(tied, layers)
     trained.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
     loaded = AutoModelForCausalLM.from_pretrained(out_dir)
