@@ -47,7 +47,10 @@ def lm_loss(network: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torc
     with `F.cross_entropy` on logits (gathered first where a plan left them sharded)."""
     if hasattr(network, "config"):
         return network(input_ids=ids, labels=labels).loss
-    logits = network(ids)
+    return next_token_loss(network(ids), labels)
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())  # (B * (T - 1), V)
 
@@ -89,11 +92,15 @@ def settings(dims: ParallelDims, mesh: Any, **options: Any) -> SimpleNamespace:
 def rows_of_replica(mode: Any, dims: ParallelDims, tensor: torch.Tensor) -> torch.Tensor:
     """Each simulated rank's share of the batch: the rows of its data-parallel replica (the whole batch at dp=1)."""
     share = tensor.shape[0] // dims.dp
+    if mode is None:  # dp = tp = 1: every rank computes alike, and the fake group's collectives change nothing
+        return tensor
     return mode.rank_map(lambda rank: tensor[dims.coords(rank)[0] * share :][:share].clone())
 
 
 def replicas_mean(mode: Any, dims: ParallelDims, loss: torch.Tensor) -> float:
     """The step's loss as Lightning logs it: the mean of the replicas' losses (rank 0 of each)."""
+    if mode is None:
+        return loss.item()
     values = loss._local_tensors  # type: ignore[attr-defined]
     firsts = [values[d * dims.pp * dims.tp].item() for d in range(dims.dp)]
     return sum(firsts) / dims.dp
@@ -101,8 +108,8 @@ def replicas_mean(mode: Any, dims: ParallelDims, loss: torch.Tensor) -> float:
 
 def full_values(param: torch.Tensor) -> dict[int, torch.Tensor]:
     """Every simulated rank's whole value of `param` (a DTensor's shards gathered)."""
-    whole = param.full_tensor() if isinstance(param, DTensor) else param
-    return dict(whole.detach()._local_tensors)  # type: ignore[attr-defined]
+    whole = (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+    return dict(whole._local_tensors) if hasattr(whole, "_local_tensors") else {0: whole}
 
 
 def train_simulated(

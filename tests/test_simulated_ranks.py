@@ -1,7 +1,8 @@
 """Exact at real degrees, in one process: tp 8 and dp2 x tp4 training steps of the zoo GPT, transformers' Llama
-(grouped-query attention) and Qwen2 (tied embeddings), set up by the strategies' own order on simulated ranks
-(`seams.simulated_ranks`), against one process: losses and every rank's final weights within 1e-5 (AdamW, padded
-text). What the simulation cannot run (FSDP2, pipeline transport) and how the pipeline degrees are checked: below.
+(grouped-query attention) and Qwen2 (tied embeddings), and pp 8 and dp2 x pp2 x tp4 (16 ranks) of the zoo GPT, set up
+by the strategies' own order on simulated ranks (`seams.simulated_ranks`), against one process: losses and every
+rank's final weights within 1e-5 (AdamW, padded text). The simulation has no FSDP2 (replicas here are the all-reduced
+kind) and no pipeline transport: the pipeline's stages are chained in one process (`simulated_stages.py`).
 """
 
 from __future__ import annotations
@@ -9,12 +10,23 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
+from conftest import fake_world
 from torch import nn
 
 from lightning_parallel.dims import ParallelDims
 from lightning_parallel.models.transformer import GPT
+from lightning_parallel.parallelize.replicas import spans
 from lightning_parallel.seams import simulated_ranks
-from tests.simulated import SEQ, VOCAB, assert_like_one_process, batches, train_one_process, train_simulated
+from tests.simulated import (
+    SEQ,
+    VOCAB,
+    assert_like_one_process,
+    batches,
+    full_values,
+    train_one_process,
+    train_simulated,
+)
 
 pytest.importorskip("transformers")
 
@@ -81,3 +93,45 @@ def test_simulated_ranks_draw_what_one_process_draws() -> None:
         for (name, param), want in zip(network.named_parameters(), expected.parameters(), strict=True):
             for rank, value in param.detach()._local_tensors.items():  # type: ignore[attr-defined]
                 assert torch.equal(value, want), f"{name} on rank {rank}"
+
+
+# ---- pipeline degrees: the stages chained in one process (tests/simulated_stages.py) ---------------------------------
+def gpt_of(depth: int, width: int, heads: int) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        with torch.device("meta"):
+            return GPT(vocab_size=VOCAB, context_length=SEQ, depth=depth, width=width, heads=heads, dropout=0.0)
+
+    return build
+
+
+# pp 8: the embedding, six blocks and the head, one on each rank; the 16 ranks: 2 blocks and one head per tp rank
+PIPELINED = {
+    "pp8": (ParallelDims(dp=1, pp=8, tp=1), gpt_of(6, 32, 4)),
+    "dp2xpp2xtp4": (ParallelDims(dp=2, pp=2, tp=4), gpt_of(2, 32, 4)),
+}
+
+
+@pytest.mark.parametrize("layout", list(PIPELINED))
+def test_pipeline_degrees_train_like_one_process(layout: str) -> None:
+    from lightning_parallel.weights import materialize
+    from tests.simulated_stages import train_pipelined
+
+    dims, build = PIPELINED[layout]
+
+    def whole() -> nn.Module:
+        network = build()
+        materialize(network, torch.device("cpu"))
+        return network
+
+    data = batches()
+    expected_losses, expected = train_one_process(whole, data)
+    simulation = simulated_ranks(dims.world_size) if dims.dp * dims.tp > 1 else fake_world(dims.world_size)
+    with simulation as mode:
+        losses, networks = train_pipelined(mode, dims, build, data, microbatches=4 // dims.dp)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=0, atol=1e-5)
+        held = {name: p for network in networks for name, p in network.named_parameters()}
+        assert sorted(held) == sorted(expected), "the stages do not hold every parameter once"
+        assert dims.tp == 1 or any(spans(p, "tp", sharded=True) for p in held.values()), "nothing sharded over tp"
+        for name, param in held.items():
+            for rank, value in full_values(param).items():
+                torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5, msg=f"{name} on rank {rank}")
