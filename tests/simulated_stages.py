@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from simulated import EPS, LR, Batch, next_token_loss, replicas_mean, rows_of_replica, settings
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -18,7 +19,6 @@ from lightning_parallel.dims import ParallelDims
 from lightning_parallel.parallelize import parallelize_pipeline
 from lightning_parallel.replicas import average_
 from lightning_parallel.token_mean import TokenMean, summed
-from tests.simulated import EPS, LR, Batch, next_token_loss, replicas_mean, rows_of_replica, settings
 
 
 class AsPipelineRank:

@@ -12,13 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from conftest import fake_world
-from torch import nn
-
-from lightning_parallel.dims import ParallelDims
-from lightning_parallel.models.transformer import GPT
-from lightning_parallel.parallelize.replicas import spans
-from lightning_parallel.seams import simulated_ranks
-from tests.simulated import (
+from simulated import (
     SEQ,
     VOCAB,
     assert_like_one_process,
@@ -27,6 +21,12 @@ from tests.simulated import (
     train_one_process,
     train_simulated,
 )
+from torch import nn
+
+from lightning_parallel.dims import ParallelDims
+from lightning_parallel.models.transformer import GPT
+from lightning_parallel.parallelize.replicas import spans
+from lightning_parallel.seams import simulated_ranks
 
 pytest.importorskip("transformers")
 
@@ -113,8 +113,9 @@ PIPELINED = {
 
 @pytest.mark.parametrize("layout", list(PIPELINED))
 def test_pipeline_degrees_train_like_one_process(layout: str) -> None:
+    from simulated_stages import train_pipelined
+
     from lightning_parallel.weights import materialize
-    from tests.simulated_stages import train_pipelined
 
     dims, build = PIPELINED[layout]
 
