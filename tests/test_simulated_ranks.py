@@ -58,6 +58,9 @@ def qwen2() -> nn.Module:
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {"gpt": gpt, "llama": llama, "qwen2": qwen2}
+# dp2 x tp4 as users launch it (strategy=tensor) keeps replicas with FSDP2, which the simulation cannot run; here its
+# replicas are kept by the all-reduce of the pipeline's replicas="replicate" (its order at pp=1): the same plan, token
+# mean over replicas and gradient average that dp2 x pp2 x tp4 runs inside each stage.
 LAYOUTS = {"tp8": (ParallelDims(dp=1, pp=1, tp=8), "tensor"), "dp2xtp4": (ParallelDims(dp=2, pp=1, tp=4), "pipeline")}
 
 
