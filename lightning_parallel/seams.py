@@ -286,3 +286,40 @@ def refuse_older_torch(feature: str, hint: str) -> None:
             f"{feature} needs torch >= {first[0]}.{first[1]}, installed {torch.__version__} ({why}). HINT: pip install "
             f"'torch>={first[0]}.{first[1]}', or {hint}"
         )
+
+
+@contextlib.contextmanager
+def simulated_ranks(world_size: int) -> Iterator[Any]:
+    """One process computing as `world_size` ranks at once (torch's `LocalTensorMode`, private since about torch
+    2.10): every tensor made inside holds each rank's value, and collectives run across them for real, over torch's
+    fake process group (opened here when none is). Yields the mode (`mode.rank_map(lambda rank: ...)` gives each
+    rank its own value). For tests of the arithmetic at degrees no small machine can launch; it has no FSDP2 and
+    no point-to-point without a runner, so pipeline stages are chained by the caller.
+
+    Each rank draws random numbers as one process would: the mode keeps a generator state per rank that only
+    `torch.manual_seed` reaches, so a name-keyed initialisation (`weights.init_by_name`, which forks the global
+    generator and seeds it) would otherwise give every rank values that no single process gives; the per-rank
+    states are dropped, so the global generator serves every rank alike.
+    """
+    import torch.distributed as dist
+
+    why = "check the arithmetic of many ranks in one process"
+    try:
+        from torch.distributed._local_tensor import LocalTensorMode
+    except ImportError as error:
+        raise changed("torch", "torch.distributed._local_tensor.LocalTensorMode", why) from error
+    mode = LocalTensorMode(world_size)
+    if not isinstance(getattr(mode, "_per_rank_rng_states", None), dict) or not callable(getattr(mode, "rank_map", 0)):
+        raise changed("torch", "LocalTensorMode._per_rank_rng_states / rank_map", why)
+    opened = not dist.is_initialized()
+    if opened:
+        dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world_size)
+    elif dist.get_world_size() != world_size:
+        raise ValueError(f"simulated_ranks({world_size}) inside a process group of {dist.get_world_size()} ranks")
+    try:
+        with mode:
+            mode._per_rank_rng_states.clear()
+            yield mode
+    finally:
+        if opened:
+            dist.destroy_process_group()

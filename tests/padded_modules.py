@@ -1,8 +1,9 @@
 """Text as it usually arrives: sequences of different lengths, each batch padded by its collate function to its own
 longest sequence, padding masked and labelled -100, a last batch smaller than the rest. LightningModules written the
 way their users write them: a transformers GPT-2 computing its loss from `labels`, and a plain token network whose
-loss is `F.cross_entropy(..., ignore_index=-100)`, `nn.CrossEntropyLoss` in `self.criterion`, or a hand-written
-masked mean. Nothing here knows about our strategies.
+loss is `F.cross_entropy(..., ignore_index=-100)`, `nn.CrossEntropyLoss` in `self.criterion`, `F.cross_entropy`
+with class weights and the pad id as `ignore_index`, or a hand-written masked mean. Nothing here knows about our
+strategies.
 """
 
 from __future__ import annotations
@@ -103,6 +104,9 @@ class TokenClassifier(pl.LightningModule):
             loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
         elif self.loss == "criterion":
             loss = self.criterion(logits.transpose(1, 2), labels)  # (B, C, T) against (B, T)
+        elif self.loss == "weighted":  # padding ignored by its own id (0, not -100), classes weighted
+            ids = batch["input_ids"][:, 1:]
+            loss = F.cross_entropy(logits.transpose(1, 2), ids, weight=CLASS_WEIGHTS, ignore_index=PAD)
         elif self.loss == "masked_mean":  # hand-written: a mean over this batch's own valid tokens
             per_token = F.cross_entropy(logits.transpose(1, 2), labels.clamp(min=0), reduction="none")
             valid = (labels != -100).float()
@@ -116,11 +120,15 @@ class TokenClassifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+PAD = 0  # the pad id `pad_batch` writes into input_ids
+CLASS_WEIGHTS = torch.linspace(0.5, 1.5, VOCAB)  # every class its own weight, the ignored one's included
+
 MODULES: dict[str, Any] = {
     "gpt2": PaddedGPT2,
     "functional": lambda: TokenClassifier("functional"),
     "criterion": lambda: TokenClassifier("criterion"),
     "masked_mean": lambda: TokenClassifier("masked_mean"),
+    "weighted": lambda: TokenClassifier("weighted"),
 }
 
 

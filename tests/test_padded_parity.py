@@ -4,8 +4,8 @@ Micro-batches and replicas hold different numbers of valid tokens; the losses of
 under data parallelism, whose ranks each return their share), the logged `train_loss` (sync_dist=True) and the final
 weights match one device within 1e-5, for a transformers GPT-2 computing its loss from labels and for
 `F.cross_entropy(..., ignore_index=-100)` / `nn.CrossEntropyLoss` in training_step: under the pipeline's gpipe, 1f1b,
-interleaved_1f1b and interleaved_zero_bubble, DDP, FSDP2 replicas, tp2 and dp2 x pp2. A hand-written masked mean gets
-one warning line on rank 0.
+interleaved_1f1b and interleaved_zero_bubble, DDP, FSDP2 replicas, tp2 and dp2 x pp2; with class weights and the pad
+id as `ignore_index` (not -100) under 1f1b, DDP and tp2. A hand-written masked mean gets one warning line on rank 0.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from conftest import needs_torch_2_13  # noqa: E402
 TOL = 1e-5
 STEPS = 3  # every batch of the epoch: 8 rows of 16 tokens, 8 of 15, 6 of 16
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble"]
-EXACT = ["gpt2", "functional", "criterion"]
+EXACT = ["gpt2", "functional", "criterion", "weighted"]
+SCHEDULED = EXACT[:3]  # under every schedule; "weighted" (class weights, ignore_index=0) under 1f1b only
 WARNED = "is averaged as"  # what the one line for a loss that cannot be made exact says
 
 
@@ -34,14 +35,15 @@ def pipeline(name: str, schedule: str, **extra: Any) -> dict[str, Any]:
 
 # One launch of 2 processes for every layout of 2 (per replica, batches of 8 / replicas rows)
 TWO = [
-    *(pipeline(name, schedule) for name in EXACT for schedule in SCHEDULES),
+    *(pipeline(name, schedule) for name in SCHEDULED for schedule in SCHEDULES),
+    pipeline("weighted", "1f1b"),
     pipeline("functional", "1f1b", steps=2, trainer={"accumulate_grad_batches": 2}),  # 2 batches, then the last
     pipeline("masked_mean", "1f1b"),
     *({"name": name, "devices": 2, "steps": STEPS, "batch_size": 4, "kind": "ddp"} for name in [*EXACT, "masked_mean"]),
     {"name": "functional", "devices": 2, "steps": STEPS, "batch_size": 4, "kind": "tensor",
      "strategy": {"data_parallel_size": 2, "tensor_parallel_size": 1}},  # FSDP2 replicas
-    {"name": "functional", "devices": 2, "steps": STEPS, "kind": "tensor",
-     "strategy": {"tensor_parallel_size": 2, "plan": "auto"}},  # one batch, its logits gathered
+    *({"name": name, "devices": 2, "steps": STEPS, "kind": "tensor",
+       "strategy": {"tensor_parallel_size": 2, "plan": "auto"}} for name in ("functional", "weighted")),  # gathered
 ]  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 """One optimizer over plain and DTensor parameters: the update runs each param group one kind at a time, and the
 optimizer holds the user's own groups before and after it (`parameter_kinds.py`); fused SGD steps DTensors
 (`seams.fused_steps_on_dtensor`). In one process over a one-rank mesh; the layouts themselves are in
-test_default_optimizers.py."""
+test_default_optimizers.py, every optimizer over real (uneven) shards of 4 simulated ranks in
+test_optimizers_on_shards.py."""
 
 from __future__ import annotations
 

@@ -77,6 +77,41 @@ def test_class_weights_count_each_target_by_its_weight() -> None:
     assert abs(float(torch.stack(losses).mean() - whole)) < TOL
 
 
+@pytest.mark.parametrize("ignore_index", [0, 3, 255, -1], ids=["pad0", "class3", "outside255", "minus1"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+@pytest.mark.parametrize("loss", ["cross_entropy", "label_smoothing", "nll_loss"])
+def test_any_ignore_index_and_class_weights_give_the_whole_batch_mean(
+    ignore_index: int, weighted: bool, loss: str
+) -> None:
+    """The count is taken by the call's own `ignore_index` (a pad id inside the classes, one outside them, -1) and
+    its class weights (the ignored class's weight included, which must not count): counted on the whole batch as a
+    pipeline or replicas count it, then shared out over the parts."""
+    logits, target = batch()
+    target[target == -100] = ignore_index
+    weight = torch.rand(CLASSES, generator=torch.Generator().manual_seed(1)) + 0.5 if weighted else None
+    options = {"weight": weight, "ignore_index": ignore_index}
+
+    def compute(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if loss == "nll_loss":
+            return F.nll_loss(F.log_softmax(x, 1), y, **options)
+        return F.cross_entropy(x, y, label_smoothing=0.1 if loss == "label_smoothing" else 0.0, **options)
+
+    whole = compute(logits, target)
+    (want,) = torch.autograd.grad(whole, logits)
+    with pytest.raises(Counted) as counted, TokenMean(None, counting=True):
+        compute(logits, target)
+    total = float(counted.value.count)
+    for parts in (2, 4, 8):
+        size, losses, share = len(logits) // parts, [], total / parts
+        for part in range(parts):
+            rows = slice(part * size, (part + 1) * size)
+            with TokenMean(lambda count, share=share: share):
+                losses.append(compute(logits[rows], target[rows]))
+        split = torch.stack(losses).mean()
+        (got,) = torch.autograd.grad(split, logits)
+        assert abs(float(split.detach() - whole.detach())) < TOL and float((got - want).abs().max()) < TOL, parts
+
+
 def test_counting_stops_at_the_first_mean_and_reports_its_count() -> None:
     logits, target = batch()
     with pytest.raises(Counted) as counted, TokenMean(None, counting=True):

@@ -1,0 +1,141 @@
+"""Exact at real degrees, in one process: tp 8 and dp2 x tp4 training steps of the zoo GPT, transformers' Llama
+(grouped-query attention) and Qwen2 (tied embeddings), and pp 8 and dp2 x pp2 x tp4 (16 ranks) of the zoo GPT, set up
+by the strategies' own order on simulated ranks (`seams.simulated_ranks`), against one process: losses and every
+rank's final weights within 1e-5 (AdamW, padded text). The simulation has no FSDP2 (replicas here are the all-reduced
+kind) and no pipeline transport: the pipeline's stages are chained in one process (`simulated_stages.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from conftest import fake_world
+from simulated import (
+    SEQ,
+    VOCAB,
+    assert_like_one_process,
+    batches,
+    full_values,
+    train_one_process,
+    train_simulated,
+)
+from torch import nn
+
+from lightning_parallel.dims import ParallelDims
+from lightning_parallel.models.transformer import GPT
+from lightning_parallel.parallelize.replicas import spans
+from lightning_parallel.seams import simulated_ranks
+
+pytest.importorskip("transformers")
+
+
+def gpt() -> nn.Module:
+    return GPT(vocab_size=VOCAB, context_length=SEQ, depth=2, width=64, heads=8, dropout=0.0)
+
+
+def llama(tied: bool = False) -> nn.Module:
+    """Sixteen query heads sharing eight key / value heads: tp 8 gives each rank two query heads and one pair."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=16,
+        num_key_value_heads=8, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, tie_word_embeddings=tied,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def qwen2() -> nn.Module:
+    """Qwen2 with its input embedding tied to its output head, as Qwen2 and Llama-3.2 1B / 3B ship."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=16,
+        num_key_value_heads=8, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, tie_word_embeddings=True,
+    )  # fmt: skip
+    return Qwen2ForCausalLM(config)
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {"gpt": gpt, "llama": llama, "qwen2": qwen2}
+# dp2 x tp4 as users launch it (strategy=tensor) keeps replicas with FSDP2, which the simulation cannot run; here its
+# replicas are kept by the all-reduce of the pipeline's replicas="replicate" (its order at pp=1): the same plan, token
+# mean over replicas and gradient average that dp2 x pp2 x tp4 runs inside each stage.
+LAYOUTS = {"tp8": (ParallelDims(dp=1, pp=1, tp=8), "tensor"), "dp2xtp4": (ParallelDims(dp=2, pp=1, tp=4), "pipeline")}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_tensor_and_data_degrees_train_like_one_process(model: str, layout: str) -> None:
+    dims, order = LAYOUTS[layout]
+    data = batches()
+    reference = train_one_process(MODELS[model], data)
+    with simulated_ranks(dims.world_size) as mode:
+        simulated = train_simulated(mode, dims, MODELS[model], data, order=order)
+        assert_like_one_process(simulated, reference)
+    network = simulated[1]
+    if model == "qwen2":  # still one parameter, sharded alike for both uses
+        assert network.lm_head.weight is network.model.embed_tokens.weight
+
+
+def test_simulated_ranks_draw_what_one_process_draws() -> None:
+    """The seam's workaround: a name-keyed initialisation (`weights.materialize`) inside the simulation gives every
+    rank the values one process gives (the mode's per-rank generators would otherwise ignore its seeding)."""
+    import torch
+
+    from lightning_parallel.weights import materialize
+
+    torch.manual_seed(0)
+    expected = gpt()
+    materialize(expected, torch.device("cpu"))
+    with simulated_ranks(4):
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            network = gpt()
+        materialize(network, torch.device("cpu"))
+        for (name, param), want in zip(network.named_parameters(), expected.parameters(), strict=True):
+            for rank, value in param.detach()._local_tensors.items():  # type: ignore[attr-defined]
+                assert torch.equal(value, want), f"{name} on rank {rank}"
+
+
+# ---- pipeline degrees: the stages chained in one process (tests/simulated_stages.py) ---------------------------------
+def gpt_of(depth: int, width: int, heads: int) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        with torch.device("meta"):
+            return GPT(vocab_size=VOCAB, context_length=SEQ, depth=depth, width=width, heads=heads, dropout=0.0)
+
+    return build
+
+
+# pp 8: the embedding, six blocks and the head, one on each rank; the 16 ranks: 2 blocks and one head per tp rank
+PIPELINED = {
+    "pp8": (ParallelDims(dp=1, pp=8, tp=1), gpt_of(6, 32, 4)),
+    "dp2xpp2xtp4": (ParallelDims(dp=2, pp=2, tp=4), gpt_of(2, 32, 4)),
+}
+
+
+@pytest.mark.parametrize("layout", list(PIPELINED))
+def test_pipeline_degrees_train_like_one_process(layout: str) -> None:
+    from simulated_stages import train_pipelined
+
+    from lightning_parallel.weights import materialize
+
+    dims, build = PIPELINED[layout]
+
+    def whole() -> nn.Module:
+        network = build()
+        materialize(network, torch.device("cpu"))
+        return network
+
+    data = batches()
+    expected_losses, expected = train_one_process(whole, data)
+    simulation = simulated_ranks(dims.world_size) if dims.dp * dims.tp > 1 else fake_world(dims.world_size)
+    with simulation as mode:
+        losses, networks = train_pipelined(mode, dims, build, data, microbatches=4 // dims.dp)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=0, atol=1e-5)
+        held = {name: p for network in networks for name, p in network.named_parameters()}
+        assert sorted(held) == sorted(expected), "the stages do not hold every parameter once"
+        assert dims.tp == 1 or any(spans(p, "tp", sharded=True) for p in held.values()), "nothing sharded over tp"
+        for name, param in held.items():
+            for rank, value in full_values(param).items():
+                torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5, msg=f"{name} on rank {rank}")
