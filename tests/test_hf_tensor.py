@@ -100,7 +100,7 @@ def test_llama_family_plans_are_composed_as_transformers_composes_them_and_trans
         assert compose_plan(model) == model.tp_plan
         source, plan, _ = plan_of(model)
         assert source == "model", type(model).__name__
-        assert plan["model.embed_tokens"] == "vocab_parallel" and plan["lm_head"] == "colwise_gather"
+        assert plan["model.embed_tokens"] == "vocab_parallel" and plan["lm_head"] == "vocab_head"
         assert layer0(plan, "model.layers.0.") == {
             "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
             "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",

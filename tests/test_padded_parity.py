@@ -25,6 +25,9 @@ TOL = 1e-5
 STEPS = 3  # every batch of the epoch: 8 rows of 16 tokens, 8 of 15, 6 of 16
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble"]
 EXACT = ["gpt2", "functional", "criterion"]
+TOKEN_PLAN = {"1": "colwise", "3": "rowwise", "5": "vocab_head"}  # padded_modules.token_network's head is "5"
+GPT2_PLAN = {"transformer.wte": "vocab_parallel", "lm_head": "vocab_head"}  # the head tied to the embedding
+VOCAB_PLANS = [TOKEN_PLAN, GPT2_PLAN]
 WARNED = "is averaged as"  # what the one line for a loss that cannot be made exact says
 
 
@@ -42,6 +45,11 @@ TWO = [
      "strategy": {"data_parallel_size": 2, "tensor_parallel_size": 1}},  # FSDP2 replicas
     {"name": "functional", "devices": 2, "steps": STEPS, "kind": "tensor",
      "strategy": {"tensor_parallel_size": 2, "plan": "auto"}},  # one batch, its logits gathered
+    # the LM head sharded by vocabulary: the loss read from its shards, whatever else reads the logits gathered
+    *({"name": name, "devices": 2, "steps": STEPS, "kind": "tensor",
+       "strategy": {"tensor_parallel_size": 2, "plan": plan}}
+      for name, plan in [("functional", TOKEN_PLAN), ("criterion", TOKEN_PLAN), ("accuracy", TOKEN_PLAN),
+                         ("gpt2", GPT2_PLAN)]),
 ]  # fmt: skip
 
 
@@ -105,12 +113,34 @@ def test_replicas_and_tensor_parallelism_match_one_device_on_padded_batches(
     two_processes: list[list[dict[str, Any]]],
 ) -> None:
     for index, config in enumerate(TWO):
-        if config.get("kind") is None or config["name"] not in EXACT:
+        if config.get("kind") is None or config["name"] not in EXACT or config["strategy"].get("plan") in VOCAB_PLANS:
             continue
         results = [rank[index] for rank in two_processes]
         worst = assert_matches(config, results, one_device(config))
         assert not any(warned(result) for result in results), config
         print(f"{config['kind']} {config['name']} {config.get('strategy', '')}: {worst:.1e}")
+
+
+@needs_torch_2_13  # the one launch it shares runs GPT-2's labels through pipeline stages
+@pytest.mark.slow
+def test_the_vocabulary_parallel_loss_matches_one_device_and_gathers_for_anything_else(
+    two_processes: list[list[dict[str, Any]]],
+) -> None:
+    """tp2 with the head sharded by vocabulary: `F.cross_entropy`, `nn.CrossEntropyLoss` and GPT-2's loss from labels
+    ran on the logits' shards (summary.json says so); an accuracy from their argmax gathered them, the loss did not."""
+    seen = set()
+    for index, config in enumerate(TWO):
+        if config.get("strategy", {}).get("plan") not in VOCAB_PLANS:
+            continue
+        results = [rank[index] for rank in two_processes]
+        worst = assert_matches(config, results, one_device(config))
+        described = results[0]["parallel"]
+        assert described["vocab_parallel_loss"] and described["vocab_parallel_losses"] == STEPS, described
+        assert described["logits_gathered"] == (STEPS if config["name"] == "accuracy" else 0), described
+        assert abs(results[0]["metrics"].get("train_acc", 0) - one_device(config)["metrics"].get("train_acc", 0)) < TOL
+        seen.add(config["name"])
+        print(f"tp2 vocabulary-parallel {config['name']}: {worst:.1e}")
+    assert seen == {"functional", "criterion", "accuracy", "gpt2"}
 
 
 @needs_torch_2_13

@@ -10,7 +10,7 @@ mechanics live in `tensor/`. This file holds the arguments, the report (`describ
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -32,6 +32,7 @@ from lightning_parallel.replicas import average_
 from lightning_parallel.strategies.arguments import check_bool, check_choice, check_int, check_name, reject
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
 from lightning_parallel.tensor.plans import STYLES, keep_gradients_sharded
+from lightning_parallel.tensor.sharded_logits import Counts, ShardedLogits, gather_logits
 from lightning_parallel.weights import materialize
 
 
@@ -85,6 +86,8 @@ class TensorParallelStrategy(MeshStrategy):
         self.network_attr = network_attr
         self._description: dict[str, Any] | None = None
         self._gradient_hooks: list[RemovableHandle] = []
+        self._vocab_heads: list[str] = []  # planned `vocab_head`s: a step's cross-entropy reads their logits sharded
+        self._logit_counts = Counts()
 
     # ---- sizes and validation (main process, before launch) -------------------------------------
     @override
@@ -138,6 +141,8 @@ class TensorParallelStrategy(MeshStrategy):
         checkpointing -> compile -> replicas; then what it did, reported."""
         network = self.network_of(module)
         done = parallelize_tensor(module, network, self, configured=is_overridden("configure_model", module))
+        plan = done.plan[1] if self.dims.tp > 1 else {}
+        self._vocab_heads = [name for name, style in plan.items() if style == "vocab_head"]
         self._description = self._describe(*done.plan, network)
         if self.global_rank == 0:
             d = self._description
@@ -185,13 +190,45 @@ class TensorParallelStrategy(MeshStrategy):
             description["replicated_why"] = replicated_why
         return description
 
+    def _describe_loss(self) -> dict[str, Any]:
+        """Whether the steps' cross-entropy ran vocabulary-parallel (logits never gathered), and how often anything
+        else gathered the logits instead (an argmax, a metric, a loss it cannot take)."""
+        counts = self._logit_counts
+        return {"vocab_parallel_loss": counts.parallel > 0, "vocab_heads": self._vocab_heads,
+                "vocab_parallel_losses": counts.parallel, "logits_gathered": counts.gathered}  # fmt: skip
+
     def describe(self) -> dict[str, Any]:
         """Plan applied (modules sharded / replicated) and parameter bytes per rank, for summary.json."""
         if self._description is None:
             raise RuntimeError("TensorParallelStrategy.describe() has something to say once the strategy is set up")
-        return {**self._description, **self.describe_blocks()}
+        return {**self._description, **self._describe_loss(), **self.describe_blocks()}
 
     # ---- the step ------------------------------------------------------------------------------
+    def _sharded_logits(self) -> AbstractContextManager[Any]:
+        """Around a step: the `vocab_head`s' logits stay sharded for its cross-entropy (`tensor/sharded_logits.py`).
+        Entered before the token mean over replicas (`MeshStrategy.training_step`), which then calls it again."""
+        return ShardedLogits(self._logit_counts) if self._vocab_heads else nullcontext()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._sharded_logits():
+            return gather_logits(super().training_step(*args, **kwargs))
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._sharded_logits():
+            return gather_logits(super().validation_step(*args, **kwargs))
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._sharded_logits():
+            return gather_logits(super().test_step(*args, **kwargs))
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._sharded_logits():
+            return gather_logits(super().predict_step(*args, **kwargs))
+
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         result = super().optimizer_step(optimizer, closure, model, **kwargs)

@@ -23,7 +23,9 @@ results = []
 for config in configs:
     strategy = KINDS[config.get("kind", "pipeline")](**config.get("strategy", {}))
     run = {key: config[key] for key in ("devices", "steps", "batch_size") if key in config}
-    results.append(fit(config["name"], strategy=strategy, **run, **config.get("trainer", {})))
+    result = fit(config["name"], strategy=strategy, **run, **config.get("trainer", {}))
+    result["parallel"] = strategy.describe() if isinstance(strategy, TensorParallelStrategy) else None
+    results.append(result)
 torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()
