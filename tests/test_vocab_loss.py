@@ -144,3 +144,17 @@ def test_the_head_leaves_its_logits_sharded_only_inside_a_session() -> None:
         assert shape == ((B, T, V), V, torch.float32)
         for gathered in (*per_rank(outside), *per_rank(gather_logits({"logits": inside})["logits"])):
             assert float((gathered - whole(x).detach()).abs().max()) < 1e-6
+
+
+def test_the_planner_splits_the_logits_by_tensor_parallel_size() -> None:
+    """The zoo GPT's head is `vocab_head`: per rank the planner keeps its logits (and the loss's copy of them) split
+    by tp, under every activation checkpointing mode. Llama-3's 128,256-token vocabulary, one sequence of 8,192."""
+    from lightning_parallel.planner.checkpointing import kept_and_rematerialised
+    from lightning_parallel.planner.workload import gpt_workload
+
+    t, w, v = 8192, 4096, 128_256
+    head = gpt_workload(depth=1, width=w, heads=32, vocab_size=v, seq_len=t).blocks[-1]
+    for tp in (1, 2, 8):
+        assert kept_and_rematerialised(head, tp, "none", 0.0)[0] == 2 * t * w + 2 * t + t * v / tp
+        assert kept_and_rematerialised(head, tp, "full", 0.0)[0] == t * v / tp
+    assert t * v * 4 / 8 == 525_336_576  # fp32 logits of one sequence per rank at tp 8 (4.2 GB whole)
