@@ -164,13 +164,21 @@ def test_a_hand_written_masked_mean_is_named_in_one_line_on_rank_zero(
 @pytest.mark.slow
 def test_data_by_pipeline_parallelism_matches_one_device_on_padded_batches(tmp_path: Path) -> None:
     """dp2 x pp2 on 4 processes: each replica's last stage counts its micro-batches (of 3 rows in the short batch: one,
-    on gpipe), one all-reduce totals them. `F.cross_entropy` only: GPT-2 here would double this test's time (it traces
-    per shape on 4 processes), and its labels are counted per micro-batch and totalled by the same code."""
+    on gpipe), one all-reduce totals them; and pp2 x tp2 with the head sharded by vocabulary. `F.cross_entropy` only:
+    GPT-2 here would double this test's time (it traces per shape on 4 processes), and its labels are counted per
+    micro-batch and totalled by the same code."""
     from distributed import run_workers
 
     strategy = {"schedule": "1f1b", "microbatches": 2, "data_parallel_size": 2}
     config = {**pipeline("functional", "1f1b"), "devices": 4, "batch_size": 4, "strategy": strategy}
-    results = [rank[0] for rank in run_workers("padded_text", 4, [config], tmp_path)]
+    # and pp2 x tp2, the head sharded by vocabulary: each micro-batch's share of the token mean on the logits' shards
+    three_d = {**pipeline("functional", "1f1b"), "devices": 4}
+    three_d["strategy"] = {**three_d["strategy"], "tensor_parallel_size": 2, "plan": TOKEN_PLAN}
+    ranks = run_workers("padded_text", 4, [config, three_d], tmp_path)
+    results = [rank[0] for rank in ranks]
     ref = one_device(config)
     assert {**results[0]["state"], **results[1]["state"]}.keys() == ref["state"].keys()  # replica 0's two stages
     print(f"dp2 x pp2 functional: {assert_matches(config, results, ref):.1e}")
+    results = [rank[1] for rank in ranks]
+    print(f"pp2 x tp2 functional, vocabulary-parallel: {assert_matches(three_d, results, ref):.1e}")
+    assert all(r["parallel"]["vocab_parallel_loss"] and not r["parallel"]["logits_gathered"] for r in results)

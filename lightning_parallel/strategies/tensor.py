@@ -32,7 +32,7 @@ from lightning_parallel.replicas import average_
 from lightning_parallel.strategies.arguments import check_bool, check_choice, check_int, check_name, reject
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
 from lightning_parallel.tensor.plans import STYLES, keep_gradients_sharded
-from lightning_parallel.tensor.sharded_logits import Counts, ShardedLogits, gather_logits
+from lightning_parallel.tensor.sharded_logits import Counts, ShardedLogits, describe_loss, gather_logits
 from lightning_parallel.weights import materialize
 
 
@@ -190,18 +190,11 @@ class TensorParallelStrategy(MeshStrategy):
             description["replicated_why"] = replicated_why
         return description
 
-    def _describe_loss(self) -> dict[str, Any]:
-        """Whether the steps' cross-entropy ran vocabulary-parallel (logits never gathered), and how often anything
-        else gathered the logits instead (an argmax, a metric, a loss it cannot take)."""
-        counts = self._logit_counts
-        return {"vocab_parallel_loss": counts.parallel > 0, "vocab_heads": self._vocab_heads,
-                "vocab_parallel_losses": counts.parallel, "logits_gathered": counts.gathered}  # fmt: skip
-
     def describe(self) -> dict[str, Any]:
         """Plan applied (modules sharded / replicated) and parameter bytes per rank, for summary.json."""
         if self._description is None:
             raise RuntimeError("TensorParallelStrategy.describe() has something to say once the strategy is set up")
-        return {**self._description, **self._describe_loss(), **self.describe_blocks()}
+        return {**self._description, **describe_loss(self._logit_counts, self._vocab_heads), **self.describe_blocks()}
 
     # ---- the step ------------------------------------------------------------------------------
     def _sharded_logits(self) -> AbstractContextManager[Any]:

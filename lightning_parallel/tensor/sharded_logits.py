@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_parallel.tensor.vocab_loss import cross_entropy_on_shards, sharded_class_dim
 
-__all__ = ["ShardedLogits", "VocabHead", "gather_logits", "is_sharded_logits"]
+__all__ = ["Counts", "ShardedLogits", "StageLogits", "VocabHead", "describe_loss", "gather_logits", "is_sharded_logits"]
 
 _MARK = "_lp_vocab_sharded"  # set on the DTensors a session hands out: the head's output and its views
 _SESSION: contextvars.ContextVar[ShardedLogits | None] = contextvars.ContextVar("sharded_logits", default=None)
@@ -76,6 +76,18 @@ class Counts:
 
     parallel: int = 0
     gathered: int = 0
+
+
+def describe_loss(counts: Counts, heads: list[str]) -> dict[str, Any]:
+    """For summary.json: whether the steps' cross-entropy ran vocabulary-parallel (the logits never gathered for it),
+    the `vocab_head`s, and how often anything else gathered their logits (an argmax, a metric, a loss it cannot
+    take)."""
+    return {
+        "vocab_parallel_loss": counts.parallel > 0,
+        "vocab_heads": heads,
+        "vocab_parallel_losses": counts.parallel,
+        "logits_gathered": counts.gathered,
+    }
 
 
 class ShardedLogits(TorchFunctionMode):
@@ -169,3 +181,26 @@ class VocabHead(ColwiseParallel):
         if _SESSION.get() is not None:
             return _mark(outputs)
         return outputs.redistribute(placements=[Replicate()]).to_local()
+
+
+class StageLogits:
+    """Sharded logits across a pipeline's last stage: `PipelineStage` takes plain tensors, so the stage returns the
+    local shard (`hook`, a forward hook on the stage module) and the schedule's loss gets them back sharded
+    (`restore`). Anything else a stage returns passes as it is."""
+
+    def __init__(self) -> None:
+        self._spec: tuple[Any, ...] | None = None
+
+    def hook(self, module: nn.Module, args: Any, output: Any) -> Any:
+        self._spec = None
+        if is_sharded_logits(output):
+            self._spec = (output.device_mesh, output.placements, output.shape, output.stride())
+            return output.to_local()
+        return gather_logits(output) if isinstance(output, (tuple, list, dict)) else None
+
+    def restore(self, value: Any) -> Any:
+        """The last stage's output, sharded logits again when the stage handed out their local shard."""
+        if self._spec is None or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            return value
+        mesh, placements, shape, stride = self._spec
+        return _mark(DTensor.from_local(value, mesh, placements, run_check=False, shape=shape, stride=stride))

@@ -24,7 +24,8 @@ for config in configs:
     strategy = KINDS[config.get("kind", "pipeline")](**config.get("strategy", {}))
     run = {key: config[key] for key in ("devices", "steps", "batch_size") if key in config}
     result = fit(config["name"], strategy=strategy, **run, **config.get("trainer", {}))
-    result["parallel"] = strategy.describe() if isinstance(strategy, TensorParallelStrategy) else None
+    tensor = config.get("strategy", {}).get("tensor_parallel_size", 1) > 1
+    result["parallel"] = strategy.describe() if tensor else None
     results.append(result)
 torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")
 torch.distributed.barrier()
