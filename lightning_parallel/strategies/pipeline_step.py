@@ -35,7 +35,7 @@ from lightning_parallel.strategies.user_step import (
     swap_attribute,
 )
 from lightning_parallel.tensor.plans import keep_gradients_sharded
-from lightning_parallel.tensor.sharded_logits import Counts, ShardedLogits, StageLogits, gather_logits
+from lightning_parallel.tensor.sharded_logits import UNDER_FSDP, Counts, ShardedLogits, StageLogits, gather_logits
 from lightning_parallel.tensor.traced_stages import stages_on_mesh
 from lightning_parallel.token_mean import model_label_counts
 
@@ -156,10 +156,17 @@ class PipelinedStep(PipelineSplit):
     @property
     def vocab_heads(self) -> list[str]:
         """The plan's `vocab_head`s whose logits a step's cross-entropy reads sharded; none in traced stages, which
-        compute on DTensors by aten op (their loss gathers the logits, as `colwise_gather` does)."""
-        if self._tensor_plan is None or isinstance(self._split, TracedSplit):
+        compute on DTensors by aten op (their loss gathers the logits, as `colwise_gather` does), and none under
+        FSDP2 replicas (`sharded_logits.UNDER_FSDP`)."""
+        if self._tensor_plan is None or isinstance(self._split, TracedSplit) or self.vocab_off:
             return []
         return [name for name, style in self._tensor_plan[1].items() if style == "vocab_head"]
+
+    @property
+    def vocab_off(self) -> str | None:
+        """Why the plan's `vocab_head`s gather their logits, or None."""
+        fsdp = self.replicas == "fsdp" and self.dims.dp > 1
+        return UNDER_FSDP if fsdp and self._tensor_plan and "vocab_head" in self._tensor_plan[1].values() else None
 
     def _sharded_logits(self) -> AbstractContextManager[Any]:
         """Around a training step (the schedule and the user's step as its loss): `tensor/sharded_logits.py`."""

@@ -32,7 +32,13 @@ from lightning_parallel.replicas import average_
 from lightning_parallel.strategies.arguments import check_bool, check_choice, check_int, check_name, reject
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
 from lightning_parallel.tensor.plans import STYLES, keep_gradients_sharded
-from lightning_parallel.tensor.sharded_logits import Counts, ShardedLogits, describe_loss, gather_logits
+from lightning_parallel.tensor.sharded_logits import (
+    UNDER_FSDP,
+    Counts,
+    ShardedLogits,
+    describe_loss,
+    gather_logits,
+)
 from lightning_parallel.weights import materialize
 
 
@@ -88,6 +94,7 @@ class TensorParallelStrategy(MeshStrategy):
         self._gradient_hooks: list[RemovableHandle] = []
         self._vocab_heads: list[str] = []  # planned `vocab_head`s: a step's cross-entropy reads their logits sharded
         self._logit_counts = Counts()
+        self._vocab_off: str | None = None  # why planned heads gather their logits (`sharded_logits.UNDER_FSDP`)
 
     # ---- sizes and validation (main process, before launch) -------------------------------------
     @override
@@ -142,7 +149,9 @@ class TensorParallelStrategy(MeshStrategy):
         network = self.network_of(module)
         done = parallelize_tensor(module, network, self, configured=is_overridden("configure_model", module))
         plan = done.plan[1] if self.dims.tp > 1 else {}
-        self._vocab_heads = [name for name, style in plan.items() if style == "vocab_head"]
+        heads = [name for name, style in plan.items() if style == "vocab_head"]
+        self._vocab_off = UNDER_FSDP if heads and self.dims.dp > 1 else None
+        self._vocab_heads = [] if self._vocab_off else heads
         self._description = self._describe(*done.plan, network)
         if self.global_rank == 0:
             d = self._description
@@ -194,7 +203,11 @@ class TensorParallelStrategy(MeshStrategy):
         """Plan applied (modules sharded / replicated) and parameter bytes per rank, for summary.json."""
         if self._description is None:
             raise RuntimeError("TensorParallelStrategy.describe() has something to say once the strategy is set up")
-        return {**self._description, **describe_loss(self._logit_counts, self._vocab_heads), **self.describe_blocks()}
+        return {
+            **self._description,
+            **describe_loss(self._logit_counts, self._vocab_heads, self._vocab_off),
+            **self.describe_blocks(),
+        }
 
     # ---- the step ------------------------------------------------------------------------------
     def _sharded_logits(self) -> AbstractContextManager[Any]:

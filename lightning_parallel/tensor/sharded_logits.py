@@ -23,7 +23,10 @@ from torch.utils import _pytree as pytree
 
 from lightning_parallel.tensor.vocab_loss import cross_entropy_on_shards, sharded_class_dim
 
-__all__ = ["Counts", "ShardedLogits", "StageLogits", "VocabHead", "describe_loss", "gather_logits", "is_sharded_logits"]
+__all__ = [
+    "UNDER_FSDP", "Counts", "ShardedLogits", "StageLogits", "VocabHead", "describe_loss", "gather_logits",
+    "is_sharded_logits",
+]  # fmt: skip
 
 _MARK = "_lp_vocab_sharded"  # set on the DTensors a session hands out: the head's output and its views
 _SESSION: contextvars.ContextVar[ShardedLogits | None] = contextvars.ContextVar("sharded_logits", default=None)
@@ -78,16 +81,23 @@ class Counts:
     gathered: int = 0
 
 
-def describe_loss(counts: Counts, heads: list[str]) -> dict[str, Any]:
+# Why planned `vocab_head`s gather their logits anyway: a DTensor output of a module FSDP2 wraps fails its backward
+# (torch 2.13: "setStorage ... out of bounds for storage of size 0", a resharded parameter used before it is gathered
+# again), so under FSDP2 replicas the head gathers inside its forward, as "colwise_gather" does.
+UNDER_FSDP = "FSDP2 replicas wrap the head (data_parallel_size > 1): its logits are gathered inside its forward"
+
+
+def describe_loss(counts: Counts, heads: list[str], why_not: str | None = None) -> dict[str, Any]:
     """For summary.json: whether the steps' cross-entropy ran vocabulary-parallel (the logits never gathered for it),
-    the `vocab_head`s, and how often anything else gathered their logits (an argmax, a metric, a loss it cannot
-    take)."""
-    return {
+    the `vocab_head`s, how often anything else gathered their logits (an argmax, a metric, a loss it cannot take),
+    and why planned heads were not used that way (`why_not`)."""
+    described = {
         "vocab_parallel_loss": counts.parallel > 0,
         "vocab_heads": heads,
         "vocab_parallel_losses": counts.parallel,
         "logits_gathered": counts.gathered,
     }
+    return {**described, "vocab_parallel_loss_off": why_not} if why_not else described
 
 
 class ShardedLogits(TorchFunctionMode):
