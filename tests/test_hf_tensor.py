@@ -261,6 +261,8 @@ def check(name: str, results: list[dict[str, Any]], ref: dict[str, Any], layout:
     assert loss < TOL and weight < TOL, (name, layout, loss, weight)
     assert all(r["sharded"] > 0 for r in results)
     assert results[0]["parallel"]["plan_source"] == ("model" if name == "llama" else "structure")
+    if name == "llama" and layout == "tp2":  # its own plan's lm_head: the loss from labels on the logits' shards
+        assert all(r["parallel"]["vocab_parallel_loss"] for r in results), results[0]["parallel"]
 
 
 @pytest.mark.slow
