@@ -1,9 +1,6 @@
-"""The LM head's logits left sharded by vocabulary over "tp" (style `vocab_head`) while a step runs inside
-`ShardedLogits`, and what the step then does with them: `F.cross_entropy` (so `nn.CrossEntropyLoss`, transformers'
-loss from `labels`) runs vocabulary-parallel (`vocab_loss.py`); views, reshapes, slices, transposes and dtype casts
-keep them sharded; anything else (an argmax, a metric, a returned output) sees them gathered, as `colwise_gather`
-would give them. Outside a session the head gathers its output as before. It picks no module and runs no step.
-"""
+"""An LM head's logits left split by vocabulary (style `vocab_head`) while a step runs in `ShardedLogits`: its
+`F.cross_entropy` runs on the shards (`vocab_loss.py`), views keep them split, anything else sees them gathered; and
+how they cross a pipeline's last stage (`StageLogits`). It picks no module and runs no step."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Cross-entropy on logits sharded by vocabulary over "tp", without gathering them: per token, three all-reduces of
-one number (the largest logit, the sum of exponentials, the target's logit), as Megatron and torchtitan compute it;
-the backward is local (softmax minus the target's one-hot, on this rank's columns). It decides nothing about when it
-applies (`sharded_logits.py` routes `F.cross_entropy` here) and shards nothing.
-"""
+"""Cross-entropy on logits split by vocabulary over "tp", never gathered: per token three all-reduces of one number
+(largest logit, sum of exponentials, target's logit), as Megatron and torchtitan do, and a local backward. It decides
+nothing about when it applies (`sharded_logits.py` routes `F.cross_entropy` here) and shards nothing."""
 
 from __future__ import annotations
 
