@@ -100,8 +100,10 @@ class TokenClassifier(pl.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         logits = self.model(batch["input_ids"])[:, :-1]  # (B, T-1, VOCAB): token t predicts token t+1
         labels = batch["labels"][:, 1:]
-        if self.loss == "functional":
+        if self.loss in ("functional", "accuracy"):
             loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+            if self.loss == "accuracy":  # the logits used for something else than the loss as well
+                self.log("train_acc", (logits.argmax(-1) == labels).float().mean(), sync_dist=True)
         elif self.loss == "criterion":
             loss = self.criterion(logits.transpose(1, 2), labels)  # (B, C, T) against (B, T)
         elif self.loss == "weighted":  # padding ignored by its own id (0, not -100), classes weighted
@@ -127,6 +129,7 @@ MODULES: dict[str, Any] = {
     "gpt2": PaddedGPT2,
     "functional": lambda: TokenClassifier("functional"),
     "criterion": lambda: TokenClassifier("criterion"),
+    "accuracy": lambda: TokenClassifier("accuracy"),
     "masked_mean": lambda: TokenClassifier("masked_mean"),
     "weighted": lambda: TokenClassifier("weighted"),
 }

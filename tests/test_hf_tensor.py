@@ -100,7 +100,7 @@ def test_llama_family_plans_are_composed_as_transformers_composes_them_and_trans
         assert compose_plan(model) == model.tp_plan
         source, plan, _ = plan_of(model)
         assert source == "model", type(model).__name__
-        assert plan["model.embed_tokens"] == "vocab_parallel" and plan["lm_head"] == "colwise_gather"
+        assert plan["model.embed_tokens"] == "vocab_parallel" and plan["lm_head"] == "vocab_head"
         assert layer0(plan, "model.layers.0.") == {
             "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
             "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
@@ -261,6 +261,8 @@ def check(name: str, results: list[dict[str, Any]], ref: dict[str, Any], layout:
     assert loss < TOL and weight < TOL, (name, layout, loss, weight)
     assert all(r["sharded"] > 0 for r in results)
     assert results[0]["parallel"]["plan_source"] == ("model" if name == "llama" else "structure")
+    if name == "llama" and layout == "tp2":  # its own plan's lm_head: the loss from labels on the logits' shards
+        assert all(r["parallel"]["vocab_parallel_loss"] for r in results), results[0]["parallel"]
 
 
 @pytest.mark.slow

@@ -26,6 +26,9 @@ STEPS = 3  # every batch of the epoch: 8 rows of 16 tokens, 8 of 15, 6 of 16
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble"]
 EXACT = ["gpt2", "functional", "criterion", "weighted"]
 SCHEDULED = EXACT[:3]  # under every schedule; "weighted" (class weights, ignore_index=0) under 1f1b only
+TOKEN_PLAN = {"1": "colwise", "3": "rowwise", "5": "vocab_head"}  # padded_modules.token_network's head is "5"
+GPT2_PLAN = {"transformer.wte": "vocab_parallel", "lm_head": "vocab_head"}  # the head tied to the embedding
+VOCAB_PLANS = [TOKEN_PLAN, GPT2_PLAN]
 WARNED = "is averaged as"  # what the one line for a loss that cannot be made exact says
 
 
@@ -44,6 +47,11 @@ TWO = [
      "strategy": {"data_parallel_size": 2, "tensor_parallel_size": 1}},  # FSDP2 replicas
     *({"name": name, "devices": 2, "steps": STEPS, "kind": "tensor",
        "strategy": {"tensor_parallel_size": 2, "plan": "auto"}} for name in ("functional", "weighted")),  # gathered
+    # the LM head sharded by vocabulary: the loss read from its shards, whatever else reads the logits gathered
+    *({"name": name, "devices": 2, "steps": STEPS, "kind": "tensor",
+       "strategy": {"tensor_parallel_size": 2, "plan": plan}}
+      for name, plan in [("functional", TOKEN_PLAN), ("criterion", TOKEN_PLAN), ("accuracy", TOKEN_PLAN),
+                         ("gpt2", GPT2_PLAN)]),
 ]  # fmt: skip
 
 
@@ -107,12 +115,38 @@ def test_replicas_and_tensor_parallelism_match_one_device_on_padded_batches(
     two_processes: list[list[dict[str, Any]]],
 ) -> None:
     for index, config in enumerate(TWO):
-        if config.get("kind") is None or config["name"] not in EXACT:
+        if (
+            config.get("kind") is None
+            or config["name"] not in EXACT
+            or config.get("strategy", {}).get("plan") in VOCAB_PLANS
+        ):
             continue
         results = [rank[index] for rank in two_processes]
         worst = assert_matches(config, results, one_device(config))
         assert not any(warned(result) for result in results), config
         print(f"{config['kind']} {config['name']} {config.get('strategy', '')}: {worst:.1e}")
+
+
+@needs_torch_2_13  # the one launch it shares runs GPT-2's labels through pipeline stages
+@pytest.mark.slow
+def test_the_vocabulary_parallel_loss_matches_one_device_and_gathers_for_anything_else(
+    two_processes: list[list[dict[str, Any]]],
+) -> None:
+    """tp2 with the head sharded by vocabulary: `F.cross_entropy`, `nn.CrossEntropyLoss` and GPT-2's loss from labels
+    ran on the logits' shards (summary.json says so); an accuracy from their argmax gathered them, the loss did not."""
+    seen = set()
+    for index, config in enumerate(TWO):
+        if config.get("strategy", {}).get("plan") not in VOCAB_PLANS:
+            continue
+        results = [rank[index] for rank in two_processes]
+        worst = assert_matches(config, results, one_device(config))
+        described = results[0]["parallel"]
+        assert described["vocab_parallel_loss"] and described["vocab_parallel_losses"] == STEPS, described
+        assert described["logits_gathered"] == (STEPS if config["name"] == "accuracy" else 0), described
+        assert abs(results[0]["metrics"].get("train_acc", 0) - one_device(config)["metrics"].get("train_acc", 0)) < TOL
+        seen.add(config["name"])
+        print(f"tp2 vocabulary-parallel {config['name']}: {worst:.1e}")
+    assert seen == {"functional", "criterion", "accuracy", "gpt2"}
 
 
 @needs_torch_2_13
@@ -136,13 +170,21 @@ def test_a_hand_written_masked_mean_is_named_in_one_line_on_rank_zero(
 @pytest.mark.slow
 def test_data_by_pipeline_parallelism_matches_one_device_on_padded_batches(tmp_path: Path) -> None:
     """dp2 x pp2 on 4 processes: each replica's last stage counts its micro-batches (of 3 rows in the short batch: one,
-    on gpipe), one all-reduce totals them. `F.cross_entropy` only: GPT-2 here would double this test's time (it traces
-    per shape on 4 processes), and its labels are counted per micro-batch and totalled by the same code."""
+    on gpipe), one all-reduce totals them; and pp2 x tp2 with the head sharded by vocabulary. `F.cross_entropy` only:
+    GPT-2 here would double this test's time (it traces per shape on 4 processes), and its labels are counted per
+    micro-batch and totalled by the same code."""
     from distributed import run_workers
 
     strategy = {"schedule": "1f1b", "microbatches": 2, "data_parallel_size": 2}
     config = {**pipeline("functional", "1f1b"), "devices": 4, "batch_size": 4, "strategy": strategy}
-    results = [rank[0] for rank in run_workers("padded_text", 4, [config], tmp_path)]
+    # and pp2 x tp2, the head sharded by vocabulary: each micro-batch's share of the token mean on the logits' shards
+    three_d = {**pipeline("functional", "1f1b"), "devices": 4}
+    three_d["strategy"] = {**three_d["strategy"], "tensor_parallel_size": 2, "plan": TOKEN_PLAN}
+    ranks = run_workers("padded_text", 4, [config, three_d], tmp_path)
+    results = [rank[0] for rank in ranks]
     ref = one_device(config)
     assert {**results[0]["state"], **results[1]["state"]}.keys() == ref["state"].keys()  # replica 0's two stages
     print(f"dp2 x pp2 functional: {assert_matches(config, results, ref):.1e}")
+    results = [rank[1] for rank in ranks]
+    print(f"pp2 x tp2 functional, vocabulary-parallel: {assert_matches(three_d, results, ref):.1e}")
+    assert all(r["parallel"]["vocab_parallel_loss"] and not r["parallel"]["logits_gathered"] for r in results)

@@ -173,6 +173,10 @@ def test_describe_reports_the_plan(launched: dict[str, list[dict[str, Any]]]) ->
     assert set(own["sharded"]) == {"block_0.mlp.up", "block_0.mlp.down", "block_1.mlp.up", "block_1.mlp.down"}
     both = launched["gpt_dp2_tp2"][0]["describe"]
     assert both["data_parallel_size"] == 2 and len(both["parameter_bytes_per_rank"]) == 4
+    for name in ("gpt", "gpt_sequence_parallel", "gpt_tp4"):  # its loss on the logits' shards
+        described = launched[name][0]["describe"]
+        assert described["vocab_parallel_loss"] and described["vocab_heads"] == ["head.lm_head"], (name, described)
+    assert not both["vocab_parallel_loss"] and "FSDP2" in both["vocab_parallel_loss_off"]  # gathered in the head
 
 
 @pytest.mark.slow

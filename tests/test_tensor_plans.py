@@ -80,7 +80,7 @@ def test_wildcards_expand_per_dotted_atom_in_module_order() -> None:
 def test_models_carry_plans_that_fit_two_ranks() -> None:
     gpt = checked(tiny_gpt(), GPT.tp_plan, 2, sequence_parallel=True)
     assert gpt["block_1.attn.v"] == "colwise" and gpt["block_1.attn.proj"] == "rowwise"
-    assert gpt["head.lm_head"] == "colwise_gather" and gpt["embed.token"] == "vocab_parallel"
+    assert gpt["head.lm_head"] == "vocab_head" and gpt["embed.token"] == "vocab_parallel"
     cnn = checked(SimpleCNN(in_channels=3, image_size=16, num_classes=4), SimpleCNN.tp_plan, 2)
     assert cnn == {"conv1.0": "conv_colwise", "conv2.0": "conv_rowwise", "fc1.1": "colwise", "fc2.0": "rowwise"}
     for depth in (18, 50):

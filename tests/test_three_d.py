@@ -56,14 +56,26 @@ def config(model: str, schedule: str, dp: int, trainer: dict | None = None) -> d
 
 @pytest.mark.slow
 def test_pipeline_by_tensor_with_clipping_accumulation_bf16_and_fsdp_replicas(tmp_path: Path) -> None:
+    """GPT at pp2 x tp2: SGD with clipping and accumulation (saved, resumed), bf16, FSDP2 replicas, and AdamW with
+    its cross-entropy on the logits' vocabulary shards."""
     fsdp = {
         **config("gpt", "1f1b", 1, CLIP),
         "strategy": {"schedule": "1f1b", "data_parallel_size": 2, "replicas": "fsdp", "microbatches": 4},
     }
     saved = {**config("gpt", "1f1b", 1, CLIP), "save": [str(tmp_path / "saved"), 14]}  # 28 of 40 accumulated batches
     resumed = {**config("gpt", "1f1b", 1, CLIP), "ckpt_path": str(tmp_path / "saved" / "step=14.ckpt")}
-    configs = [saved, config("gpt", "1f1b", 1, BF16), fsdp, resumed]  # SimpleCNN: the 8-process test
+    adamw = {**config("gpt", "1f1b", 1), "steps": 6, "optimizer": ("AdamW", {"lr": 1e-3})}
+    configs = [saved, config("gpt", "1f1b", 1, BF16), fsdp, resumed, adamw]  # SimpleCNN: the 8-process test
     per_rank = run_workers("three_d", 4, configs, tmp_path)
+    # AdamW, the loss on the logits' vocabulary shards (GPT's head is "vocab_head"): every rank's summary says so
+    task, losses, _ = fit_model("auto", model="gpt", devices=1, global_batch=16, replicas=1, steps=6,
+                                optimizer=adamw["optimizer"])  # fmt: skip
+    assert_matches(per_rank, 4, (losses, local_state(task)), dp=1)
+    for rank in per_rank:
+        loss = {
+            key: rank[4]["parallel"][key] for key in ("vocab_parallel_loss", "vocab_parallel_losses", "logits_gathered")
+        }
+        assert loss == {"vocab_parallel_loss": True, "vocab_parallel_losses": 6 * 4, "logits_gathered": 0}, loss
     clipped = reference("gpt", 16, **CLIP)
     assert_matches(per_rank, 0, clipped, dp=1)
     # resumed from the step-14 checkpoint (mid-epoch): the rest of the uninterrupted run

@@ -160,7 +160,8 @@ class GPT(nn.Sequential):
     input_kind = "tokens"
     # Tensor-parallel plan (module-name pattern -> style name, applied by a strategy): Megatron-style, heads split
     # across ranks (q/k/v column-parallel, proj row-parallel; MLP up column, down row), vocabulary-parallel
-    # embedding and LM head. The "sequence_parallel"/"shard_sequence" entries act only with sequence parallelism.
+    # embedding and LM head (a step's cross-entropy reads its logits sharded). The "sequence_parallel" /
+    # "shard_sequence" entries act only with sequence parallelism.
     tp_plan = {
         "embed.token": "vocab_parallel",
         "embed": "shard_sequence",
@@ -173,7 +174,7 @@ class GPT(nn.Sequential):
         "block_*.mlp.up": "colwise",
         "block_*.mlp.down": "rowwise",
         "head.norm": "sequence_parallel",
-        "head.lm_head": "colwise_gather",
+        "head.lm_head": "vocab_head",
     }
 
     def __init__(

@@ -28,7 +28,7 @@ def kept_and_rematerialised(block: Block, tp: int, mode: str, block_input: float
     outside the network (`outside_activations`) are kept under every mode.
     """
     everything = local(block.activations, block.tp_activations, tp)
-    outside = block.outside_activations
+    outside = local(block.outside_activations, block.tp_outside_activations, tp)
     if mode == "none" or (mode == "selective" and block.selective_activations is None):
         return everything, 0.0
     if mode == "full":

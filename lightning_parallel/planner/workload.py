@@ -30,6 +30,7 @@ class Block:
         tp_selective_activations: Of which split across tensor-parallel ranks.
         outside_activations: Of ``activations``, elements a loss outside the network saves (the log-softmax of the
             logits): kept under any activation checkpointing.
+        tp_outside_activations: Of which split across tensor-parallel ranks (a vocabulary-parallel loss's).
         output: Elements of the block's output per sample: what a pipeline boundary after it sends.
         collectives: Tensor-parallel collectives per forward + backward: ``(kind, elements per sample)``.
         seconds: Measured forward + backward time ``(fixed, per sample)`` on one device; None = from FLOPs.
@@ -46,6 +47,7 @@ class Block:
     selective_activations: float | None = None
     tp_selective_activations: float = 0.0
     outside_activations: float = 0.0
+    tp_outside_activations: float = 0.0
     output: float = 0.0
     collectives: tuple[tuple[str, float], ...] = ()
     seconds: tuple[float, float] | None = None
@@ -150,11 +152,15 @@ def gpt_workload(
         flops=3.0 * 2 * t * w * v,
         tp_flops=3.0 * 2 * t * w * v,
         activations=2 * t * w + 2 * t + t * v,  # norm input and output, and the loss's log-softmax of the logits
+        # the head is "vocab_head": its logits stay split by vocabulary into the loss (`tensor/sharded_logits.py`),
+        # whose three all-reduces of one number per token are left out
+        tp_activations=t * v,
         selective_activations=t * v,  # the logits' matrix multiplication
         tp_selective_activations=t * v,
         outside_activations=t * v,
+        tp_outside_activations=t * v,
         output=t * v,
-        collectives=(("all_gather", t * v), ("all_reduce", t * w)),
+        collectives=(("all_reduce", t * w),),
     )
     blocks = (embed, *(replace(block, name=f"block_{i}") for i in range(depth)), head)
     modulus = math.gcd(heads, w, r * w, v)

@@ -33,6 +33,7 @@ from lightning_parallel.strategies.tensor import check_plan_argument
 from lightning_parallel.strategies.user_step import (
     MicroSteps,
 )
+from lightning_parallel.tensor.sharded_logits import Counts, describe_loss
 
 BALANCES = ("flops", "parameters", "time")  # how a split is balanced, besides explicit block names per stage
 REPLICAS = ("replicate", "fsdp")  # how data-parallel replicas of the pipeline stay in sync
@@ -113,6 +114,7 @@ class PipelineParallelStrategy(PipelinedStep):
         self.replicas = replicas
         self.plan = dict(plan) if isinstance(plan, Mapping) else plan
         self._tensor_plan: tuple[str, dict[str, str], dict[str, str]] | None = None
+        self._logit_counts = Counts()  # vocabulary-parallel losses and gathers of the logits (`sharded_logits.py`)
         self._gradient_hooks: list[RemovableHandle] = []
         self.balance = balance
         self.deferred_batchnorm = deferred_batchnorm
@@ -160,8 +162,11 @@ class PipelineParallelStrategy(PipelinedStep):
         summary.json (see `pipeline_summary.describe_pipeline`)."""
         if not self.pipelined:
             whole = describe_whole(self.dims, replicas=self.replicas, tensor_plan=self._tensor_plan)
-            return {**whole, **self.describe_blocks()}
-        return {**self._describe_pipeline(), **self.describe_blocks()}
+            return {**whole, **self._describe_loss(), **self.describe_blocks()}
+        return {**self._describe_pipeline(), **self._describe_loss(), **self.describe_blocks()}
+
+    def _describe_loss(self) -> dict[str, Any]:
+        return describe_loss(self._logit_counts, self.vocab_heads, self.vocab_off) if self.dims.tp > 1 else {}
 
     def _describe_pipeline(self) -> dict[str, Any]:
         return describe_pipeline(

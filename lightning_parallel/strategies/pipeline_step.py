@@ -6,6 +6,7 @@ once per optimizer step, and evaluation through a forward-only schedule. At pp=1
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,6 +35,7 @@ from lightning_parallel.strategies.user_step import (
     swap_attribute,
 )
 from lightning_parallel.tensor.plans import keep_gradients_sharded
+from lightning_parallel.tensor.sharded_logits import UNDER_FSDP, Counts, ShardedLogits, StageLogits, gather_logits
 from lightning_parallel.tensor.traced_stages import stages_on_mesh
 from lightning_parallel.token_mean import model_label_counts
 
@@ -48,6 +50,7 @@ class PipelinedStep(PipelineSplit):
     _step_kwargs: dict[str, Any]
     _fresh_grads: list[torch.Tensor | None] | None
     _local_params: list[nn.Parameter] | None
+    _logit_counts: Counts
 
     @override
     def on_device(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -64,8 +67,13 @@ class PipelinedStep(PipelineSplit):
             return
         assert self._split is not None  # split in parallelize(), before on_device()
         shares = TokenShares(replicas=self.dims.dp, group=self.group("dp"))
-        self._micro_steps = MicroSteps(module, network, self._user_step, self._split.output, shares)
+        split, logits = self._split, StageLogits()  # the last stage hands the loss its logits' local shard
+        rebuild = (lambda value: split.output(logits.restore(value))) if self.vocab_heads else split.output
+        self._micro_steps = MicroSteps(module, network, self._user_step, rebuild, shares)
         self._runtime = self._build_runtime(self.pp_rank)
+        if self.vocab_heads:
+            for stage in self._runtime.stage_modules.values():
+                stage.register_forward_hook(logits.hook)
         if self.global_rank == 0:
             rank_zero_info(
                 f"PipelineParallelStrategy: {self.spec.name}, {self.describe_layout()}\n{self.partition.table()}"
@@ -111,7 +119,8 @@ class PipelinedStep(PipelineSplit):
         """The user's training_step, unchanged: run up to its network call on every rank to learn the network's
         inputs, then per micro-batch on the last stage as the schedule's loss; its logs replayed everywhere."""
         if not self.pipelined:
-            return super().training_step(*args, **kwargs)
+            with self._sharded_logits():
+                return gather_logits(super().training_step(*args, **kwargs))
         module = self.lightning_module
         assert module is not None
         network = self.network_of(module)
@@ -122,7 +131,7 @@ class PipelinedStep(PipelineSplit):
         micro_steps.begin(batch, rows, self._label_counts(network, inputs))
         params = self.local_parameters()
         earlier = take_gradients(params)  # gradients accumulated by earlier micro-steps
-        with self.precision_plugin.train_step_context():
+        with self.precision_plugin.train_step_context(), self._sharded_logits():
             loss = self.runtime.train_step(inputs, torch.arange(rows, device=self.root_device))
         micro_steps.end()
         commit_batchnorm(self._batchnorms)
@@ -131,9 +140,11 @@ class PipelinedStep(PipelineSplit):
         if loss is not None and self._scaler is not None:
             loss = loss / self._scaler.get_scale()  # report the loss itself, not the scaled one
         # One object from the last stage: the loss, the logs to replay, or why the step was refused.
-        report = [(float(loss), micro_steps.report) if loss is not None else None]
+        # (and what its loss did with the logits, so every rank's summary says it)
+        counts = self._logit_counts
+        report = [(float(loss), micro_steps.report, counts) if loss is not None else None]
         dist.broadcast_object_list(report, src=self._last_stage_rank(), group=self.group("pp"))
-        value, step_report = report[0]  # type: ignore[misc]
+        value, step_report, self._logit_counts = report[0]  # type: ignore[misc]
         if step_report.error is not None:
             raise StepRefused(step_report.error)
         if step_report.inexact is not None and not self._warned_inexact:
@@ -141,6 +152,25 @@ class PipelinedStep(PipelineSplit):
             self._warned_inexact = True
         replay_logs(module, step_report.records, holds_metrics=self.runtime.has_last)
         return torch.tensor(value, dtype=torch.float32, device=self.root_device)
+
+    @property
+    def vocab_heads(self) -> list[str]:
+        """The plan's `vocab_head`s whose logits a step's cross-entropy reads sharded; none in traced stages, which
+        compute on DTensors by aten op (their loss gathers the logits, as `colwise_gather` does), and none under
+        FSDP2 replicas (`sharded_logits.UNDER_FSDP`)."""
+        if self._tensor_plan is None or isinstance(self._split, TracedSplit) or self.vocab_off:
+            return []
+        return [name for name, style in self._tensor_plan[1].items() if style == "vocab_head"]
+
+    @property
+    def vocab_off(self) -> str | None:
+        """Why the plan's `vocab_head`s gather their logits, or None."""
+        fsdp = self.replicas == "fsdp" and self.dims.dp > 1
+        return UNDER_FSDP if fsdp and self._tensor_plan and "vocab_head" in self._tensor_plan[1].values() else None
+
+    def _sharded_logits(self) -> AbstractContextManager[Any]:
+        """Around a training step (the schedule and the user's step as its loss): `tensor/sharded_logits.py`."""
+        return ShardedLogits(self._logit_counts) if self.vocab_heads else nullcontext()
 
     def _network_inputs(self, network: nn.Module, called: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[Any, ...]:
         """The tensors stage 0 takes, checked to be passed the way the split was traced (`self._call`)."""

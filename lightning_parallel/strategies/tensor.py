@@ -10,7 +10,7 @@ mechanics live in `tensor/`. This file holds the arguments, the report (`describ
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -32,6 +32,13 @@ from lightning_parallel.replicas import average_
 from lightning_parallel.strategies.arguments import check_bool, check_choice, check_int, check_name, reject
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
 from lightning_parallel.tensor.plans import STYLES, keep_gradients_sharded
+from lightning_parallel.tensor.sharded_logits import (
+    UNDER_FSDP,
+    Counts,
+    ShardedLogits,
+    describe_loss,
+    gather_logits,
+)
 from lightning_parallel.weights import materialize
 
 
@@ -85,6 +92,9 @@ class TensorParallelStrategy(MeshStrategy):
         self.network_attr = network_attr
         self._description: dict[str, Any] | None = None
         self._gradient_hooks: list[RemovableHandle] = []
+        self._vocab_heads: list[str] = []  # planned `vocab_head`s: a step's cross-entropy reads their logits sharded
+        self._logit_counts = Counts()
+        self._vocab_off: str | None = None  # why planned heads gather their logits (`sharded_logits.UNDER_FSDP`)
 
     # ---- sizes and validation (main process, before launch) -------------------------------------
     @override
@@ -138,6 +148,10 @@ class TensorParallelStrategy(MeshStrategy):
         checkpointing -> compile -> replicas; then what it did, reported."""
         network = self.network_of(module)
         done = parallelize_tensor(module, network, self, configured=is_overridden("configure_model", module))
+        plan = done.plan[1] if self.dims.tp > 1 else {}
+        heads = [name for name, style in plan.items() if style == "vocab_head"]
+        self._vocab_off = UNDER_FSDP if heads and self.dims.dp > 1 else None
+        self._vocab_heads = [] if self._vocab_off else heads
         self._description = self._describe(*done.plan, network)
         if self.global_rank == 0:
             d = self._description
@@ -189,9 +203,38 @@ class TensorParallelStrategy(MeshStrategy):
         """Plan applied (modules sharded / replicated) and parameter bytes per rank, for summary.json."""
         if self._description is None:
             raise RuntimeError("TensorParallelStrategy.describe() has something to say once the strategy is set up")
-        return {**self._description, **self.describe_blocks()}
+        return {
+            **self._description,
+            **describe_loss(self._logit_counts, self._vocab_heads, self._vocab_off),
+            **self.describe_blocks(),
+        }
 
     # ---- the step ------------------------------------------------------------------------------
+    def _sharded_logits(self) -> AbstractContextManager[Any]:
+        """Around a step: the `vocab_head`s' logits stay sharded for its cross-entropy (`tensor/sharded_logits.py`).
+        Entered before the token mean over replicas (`MeshStrategy.training_step`), which then calls it again."""
+        return ShardedLogits(self._logit_counts) if self._vocab_heads else nullcontext()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._sharded_logits():
+            return gather_logits(super().training_step(*args, **kwargs))
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._sharded_logits():
+            return gather_logits(super().validation_step(*args, **kwargs))
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._sharded_logits():
+            return gather_logits(super().test_step(*args, **kwargs))
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._sharded_logits():
+            return gather_logits(super().predict_step(*args, **kwargs))
+
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         result = super().optimizer_step(optimizer, closure, model, **kwargs)

@@ -71,4 +71,13 @@ def transformers_plan(network: nn.Module) -> dict[str, str] | None:
                 "plan={...} naming modules, or plan='auto'"
             )
         translated[pattern] = TRANSFORMERS_STYLES[style]
+        if translated[pattern] == "colwise_gather" and named == _output_embeddings(network):
+            translated[pattern] = "vocab_head"  # the LM head: a step's cross-entropy reads its logits sharded
     return translated
+
+
+def _output_embeddings(network: nn.Module) -> str | None:
+    """The qualified name of the model's LM head (`get_output_embeddings()`), if it has one."""
+    get = getattr(network, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return next((name for name, module in network.named_modules() if module is head), None) if head else None

@@ -27,6 +27,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from lightning_parallel.tensor.conv import BatchNormParallel, ConvColwiseParallel, ConvRowwiseParallel
 from lightning_parallel.tensor.local_heads import LocalHeads, attribute_sizes
 from lightning_parallel.tensor.packed import PackedColwiseParallel
+from lightning_parallel.tensor.sharded_logits import VocabHead
 from lightning_parallel.tensor.transposed_linear import Conv1D
 
 MakeStyle = Callable[[bool], ParallelStyle | None]  # sequence_parallel -> torch style, None = leave the module as is
@@ -127,6 +128,10 @@ def _colwise_gather(sp: bool) -> ParallelStyle:
     return ColwiseParallel(input_layouts=_SEQ if sp else Replicate(), output_layouts=Replicate())
 
 
+def _vocab_head(sp: bool) -> ParallelStyle:
+    return VocabHead(sequence_parallel=sp)
+
+
 def _rowwise_split_input(sp: bool) -> ParallelStyle:
     # the input arrives whole (e.g. after a `chunk`): each rank takes its slice of the features locally
     if sp:
@@ -194,6 +199,11 @@ _TABLE = (
         "colwise_gather", "Linear/Embedding: shard output features, then gather the full output (e.g. logits)",
         _colwise_gather, shardings=(_OUT, _EMBEDDING_WIDTH), collectives=(("all_gather", "output"), *_ALL_REDUCE_INPUT),
         transformers=("colwise_gather_output", "colwise_rep", "embedding_colwise"),
+    ),
+    StyleTraits(
+        "vocab_head", "Linear to the vocabulary (an LM head): shard output features; a step's cross-entropy reads "
+        "them sharded (vocabulary-parallel, `sharded_logits.py`), anything else sees them gathered", _vocab_head,
+        shardings=(_OUT,), collectives=_ALL_REDUCE_INPUT,
     ),
     StyleTraits(
         "qkv_colwise", "Linear/Conv1D packing q | k | v: shard each block's output features, so a rank keeps whole "

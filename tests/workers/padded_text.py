@@ -23,7 +23,10 @@ results = []
 for config in configs:
     strategy = KINDS[config.get("kind", "pipeline")](**config.get("strategy", {}))
     run = {key: config[key] for key in ("devices", "steps", "batch_size") if key in config}
-    results.append(fit(config["name"], strategy=strategy, **run, **config.get("trainer", {})))
+    result = fit(config["name"], strategy=strategy, **run, **config.get("trainer", {}))
+    tensor = config.get("strategy", {}).get("tensor_parallel_size", 1) > 1
+    result["parallel"] = strategy.describe() if tensor else None
+    results.append(result)
 torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()

@@ -1,0 +1,160 @@
+"""Vocabulary-parallel cross-entropy in one process: torch's LocalTensorMode simulates the tensor-parallel ranks with
+real numbers (collectives included), so the loss and the logits' gradient are compared with one device's, for the ways
+users write the loss (`F.cross_entropy` on flattened logits, `nn.CrossEntropyLoss` on (B, V, T), ignore_index
+padding, every reduction), on even and uneven vocabulary shards; what the loss cannot take, and what is not a loss,
+sees the logits gathered, with one device's numbers.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import fake_world  # noqa: E402
+
+local_tensor = pytest.importorskip("torch.distributed._local_tensor")
+
+B, T, V, IGNORED = 3, 5, 10, -100
+
+
+@contextmanager
+def simulated(ranks: int) -> Iterator[Any]:
+    """`ranks` tensor-parallel ranks in this process; yields their 1-D mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with fake_world(ranks), local_tensor.LocalTensorMode(ranks):
+        yield init_device_mesh("cpu", (ranks,))
+
+
+def per_rank(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Each simulated rank's value of a plain (replicated) tensor."""
+    held = getattr(tensor, "_local_tensors", None)
+    return [t.detach().clone() for t in held.values()] if held is not None else [tensor.detach().clone()]
+
+
+def example() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(B, T, V, generator=generator) * 3
+    labels = torch.randint(0, V, (B, T), generator=generator)
+    labels[0, -2:] = IGNORED  # padding
+    labels[2, 0] = IGNORED
+    return logits, labels
+
+
+LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "flat mean": lambda logits, labels: F.cross_entropy(logits.view(-1, V), labels.view(-1)),
+    "criterion (B, V, T)": lambda logits, labels: nn.CrossEntropyLoss()(logits.transpose(1, 2), labels),
+    "shifted sum": lambda logits, labels: F.cross_entropy(
+        logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1), reduction="sum", ignore_index=IGNORED
+    ),
+    "none, then a masked mean": lambda logits, labels: F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), reduction="none"
+    )[:7].mean(),
+    "one token, unbatched": lambda logits, labels: F.cross_entropy(logits[1, 2], labels[1, 2]),
+}
+# not a vocabulary-parallel loss: computed on the gathered logits
+GATHERED: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "label smoothing": lambda logits, labels: F.cross_entropy(logits.view(-1, V), labels.view(-1), label_smoothing=0.1),
+    "loss plus accuracy": lambda logits, labels: (
+        F.cross_entropy(logits.view(-1, V), labels.view(-1)) + (logits.argmax(-1) == labels).float().mean()
+    ),
+    "log_softmax by hand": lambda logits, labels: -logits.log_softmax(-1)[..., 0].mean(),
+}
+
+
+def run_sharded(
+    ranks: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *, backward: bool = True
+) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
+    """(loss per rank, the logits' gradient per rank, the session's counts) with the logits sharded over `ranks`.
+    `backward=False` for uneven shards: LocalTensorMode's backward through them raises NYI (torch 2.13)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from lightning_parallel.tensor.sharded_logits import ShardedLogits, _mark
+
+    logits, labels = example()
+    with simulated(ranks) as mesh:
+        sharded = distribute_tensor(logits, mesh, [Shard(-1)]).requires_grad_()
+        with ShardedLogits() as session:
+            loss = loss_fn(_mark(sharded.view_as(sharded)), labels)
+        assert not hasattr(loss, "device_mesh"), "the loss must come back a plain tensor"
+        if not backward:
+            return per_rank(loss), [], session.counts
+        loss.backward()
+        assert sharded.grad is not None
+        grad = sharded.grad.redistribute(placements=[Replicate()]).to_local()
+        return per_rank(loss), per_rank(grad), session.counts
+
+
+def one_device(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    logits, labels = example()
+    logits.requires_grad_()
+    loss = loss_fn(logits, labels)
+    loss.backward()
+    assert logits.grad is not None
+    return loss.detach(), logits.grad
+
+
+@pytest.mark.parametrize("ranks", [2, 3])  # 3: shards of 4, 4 and 2 columns
+def test_the_loss_on_vocabulary_shards_is_one_devices(ranks: int) -> None:
+    for name, loss_fn in LOSSES.items():
+        losses, grads, counts = run_sharded(ranks, loss_fn, backward=V % ranks == 0)
+        loss, grad = one_device(loss_fn)
+        assert counts.parallel == 1 and counts.gathered == 0, (name, counts)
+        assert len(losses) == ranks and all(float((value - loss).abs().max()) < 1e-6 for value in losses), name
+        assert all(float((value - grad).abs().max()) < 1e-6 for value in grads), name
+
+
+def test_what_is_not_a_plain_cross_entropy_sees_the_logits_gathered() -> None:
+    for name, loss_fn in GATHERED.items():
+        losses, grads, counts = run_sharded(2, loss_fn)
+        loss, grad = one_device(loss_fn)
+        assert counts.gathered >= 1, (name, counts)
+        for rank_loss, rank_grad in zip(losses, grads, strict=True):
+            assert float((rank_loss - loss).abs().max()) < 1e-6, name
+            assert float((rank_grad - grad).abs().max()) < 1e-6, name
+
+
+def test_the_head_leaves_its_logits_sharded_only_inside_a_session() -> None:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_parallel.tensor.sharded_logits import ShardedLogits, VocabHead, gather_logits, is_sharded_logits
+
+    torch.manual_seed(0)
+    whole = nn.Linear(4, V, bias=False)
+    x = torch.randn(B, T, 4)
+    with simulated(2) as mesh:
+        head = nn.Linear(4, V, bias=False)
+        head.weight.data.copy_(whole.weight.data)
+        parallelize_module(head, mesh, VocabHead(), src_data_rank=None)
+        outside = head(x)
+        with ShardedLogits():
+            inside = head(x)
+            shape = (inside.shape, inside.size(-1), inside.dtype)
+        assert not isinstance(outside, DTensor) and is_sharded_logits(inside)
+        assert shape == ((B, T, V), V, torch.float32)
+        for gathered in (*per_rank(outside), *per_rank(gather_logits({"logits": inside})["logits"])):
+            assert float((gathered - whole(x).detach()).abs().max()) < 1e-6
+
+
+def test_the_planner_splits_the_logits_by_tensor_parallel_size() -> None:
+    """The zoo GPT's head is `vocab_head`: per rank the planner keeps its logits (and the loss's copy of them) split
+    by tp, under every activation checkpointing mode. Llama-3's 128,256-token vocabulary, one sequence of 8,192."""
+    from lightning_parallel.planner.checkpointing import kept_and_rematerialised
+    from lightning_parallel.planner.workload import gpt_workload
+
+    t, w, v = 8192, 4096, 128_256
+    head = gpt_workload(depth=1, width=w, heads=32, vocab_size=v, seq_len=t).blocks[-1]
+    for tp in (1, 2, 8):
+        assert kept_and_rematerialised(head, tp, "none", 0.0)[0] == 2 * t * w + 2 * t + t * v / tp
+        assert kept_and_rematerialised(head, tp, "full", 0.0)[0] == t * v / tp
+    assert t * v * 4 / 8 == 525_336_576  # fp32 logits of one sequence per rank at tp 8 (4.2 GB whole)
