@@ -97,6 +97,41 @@ def test_a_rank_holding_the_embedding_but_not_the_tied_head_binds_it_by_its_own_
 
 
 @needs_torch_2_13
+def test_gpt_neox_whose_split_graph_calls_stages_out_of_order_chains_in_stage_order() -> None:
+    """GPT-NeoX (fused per-head query_key_value, parallel residual, partial rotary) on padded text: torch's split
+    graph calls its rotary-embedding stage before the dropout stage numbered ahead of it (nothing reads the dropout
+    yet); the chain follows the stage numbers, carrying the rotary stage's input through the dropout stage."""
+    from hf_families import causal_lm
+    from padded_modules import padded_loader
+
+    torch.manual_seed(0)
+    batch = next(iter(padded_loader(4)))
+    assert (batch["labels"] == -100).any()  # padding that the mask and the loss must skip
+    network = causal_lm("gpt_neox")
+    found = assert_chain_equals_eager(network, batch, cut=[2, 4])
+    assert found["split"][0] == ["gpt_neox.embed_in", "gpt_neox.emb_dropout"]
+    assert found["split"][1][0] == "gpt_neox.rotary_emb"
+
+
+@needs_torch_2_13
+def test_a_tensor_the_forward_creates_from_python_values_keeps_its_value_in_the_stages() -> None:
+    """GPT-Neo's attention masks with `torch.tensor(finfo.min)`: the meta trace keeps that constant without a value,
+    which a trace of the real network supplies; a network on the meta device cannot, and says so in one line."""
+    from hf_families import causal_lm
+    from padded_modules import padded_loader
+
+    torch.manual_seed(0)
+    batch = next(iter(padded_loader(4)))
+    assert_chain_equals_eager(causal_lm("gpt_neo"), batch, cut=[3])
+    with torch.device("meta"):
+        network = causal_lm("gpt_neo")
+    call, flat = network_call(network, (), batch)
+    with pytest.raises(ValueError, match=r"creates tensors from Python values .*lifted_tensor_0") as raised:
+        TracedNetwork(network, flat, call)
+    assert "HINT: build the model on the CPU" in str(raised.value) and "\n" not in str(raised.value)
+
+
+@needs_torch_2_13
 def test_encoder_classifier_gets_its_mask_in_every_stage_and_equals_eager() -> None:
     torch.manual_seed(0)
     network = bert()
@@ -306,5 +341,5 @@ def test_older_torch_refuses_in_one_line(monkeypatch: pytest.MonkeyPatch) -> Non
     positional = gpt2()  # positional ids, the loss in training_step: nothing integer crosses a stage
     TracedNetwork(positional, *reversed(network_call(positional, (ids,), {})))
     with pytest.raises(ValueError, match="tensor parallelism inside traced pipeline stages needs torch") as error:
-        refuse_traced_sharding(gpt2(), {}, [], replicas="replicate", dp=1)
+        refuse_traced_sharding(gpt2(), replicas="replicate", dp=1)
     assert "HINT" in str(error.value) and "\n" not in str(error.value)

@@ -1,6 +1,8 @@
 """Tensor parallelism inside traced pipeline stages ("3D" for any network): user-style LightningModules whose
-networks have their own forward (a residual CNN; Hugging Face GPT-2 called positionally, with a plan given) train at
-pp2 x tp2 (and a CNN at dp2 x pp2 x tp2) exactly as one process does: losses and final weights within 1e-5."""
+networks have their own forward (a residual CNN; Hugging Face GPT-2 called positionally, with a plan given; a Qwen2
+whose embedding is tied to its head across the stages, under its own plan) train at pp2 x tp2 (and a CNN at
+dp2 x pp2 x tp2) exactly as one process does: losses and final weights within 1e-5. In one process: how a parameter
+tied across stages is sharded (alike on every holder, or whole with the reason)."""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ from conftest import needs_torch_2_13
 from distributed import replica_states, run_workers
 
 sys.path.insert(0, str(Path(__file__).parent))
+from hf_families import causal_lm  # noqa: E402
 from user_modules import CausalLM, build, fit, loader, tiny_gpt2, token_loader  # noqa: E402
 
 from lightning_parallel import PipelineParallelStrategy  # noqa: E402
-from lightning_parallel.parallelize.plan import refuse_traced_sharding  # noqa: E402
+from lightning_parallel.parallelize.tied_plan import settle_tied  # noqa: E402
 from lightning_parallel.pipeline.tied import TiedGroup  # noqa: E402
 
 STEPS = 3
@@ -32,8 +35,8 @@ GPT2_PLAN = {  # transformers' Conv1D (a transposed Linear): the attention and M
 
 def reference(net: str, batch_size: int = 16) -> dict:
     torch.manual_seed(0)
-    if net == "gpt2":
-        module = CausalLM(tiny_gpt2())
+    if net in ("gpt2", "qwen2_tied"):
+        module = CausalLM(tiny_gpt2() if net == "gpt2" else causal_lm(net))
         data = token_loader(batch_size=batch_size)
         return fit(module, strategy="auto", devices=1, steps=STEPS, shuffle=False, data=data)
     return fit(build(net, "criterion"), strategy="auto", devices=1, steps=STEPS, shuffle=False, batch_size=batch_size)
@@ -65,10 +68,11 @@ def test_residual_cnn_and_gpt2_at_pp2_by_tp2(tmp_path: Path) -> None:
     pairs (its lm_head, tied to the embedding across the stages, stays whole). BatchNorm normalises by micro-batch,
     so the CNN runs one micro-batch per step to be exact; GPT-2 runs 1F1B over two."""
     pytest.importorskip("transformers")
-    configs = [config("residual_cnn", microbatches=1, schedule="gpipe"), config("gpt2", plan=GPT2_PLAN)]
+    nets = ["residual_cnn", "gpt2", "qwen2_tied"]
+    configs = [config(nets[0], microbatches=1, schedule="gpipe"), config(nets[1], plan=GPT2_PLAN), config(nets[2])]
     ranks = run_workers("traced_tensor", 4, configs, tmp_path)
     runs = list(zip(*ranks, strict=True))
-    for index, net in enumerate(["residual_cnn", "gpt2"]):
+    for index, net in enumerate(nets):
         loss_gap, weight_gap = max_gaps(list(runs[index]), reference(net))
         print(f"{net} pp2 x tp2: loss gap {loss_gap:.1e}, weight gap {weight_gap:.1e}")
         assert loss_gap < 1e-5 and weight_gap < 1e-5, (net, loss_gap, weight_gap)
@@ -79,6 +83,12 @@ def test_residual_cnn_and_gpt2_at_pp2_by_tp2(tmp_path: Path) -> None:
     assert shapes["model.transformer.h.0.mlp.c_fc.weight"] == (32, 64), shapes  # (in, out / 2)
     assert shapes["model.transformer.h.0.attn.c_proj.weight"] == (16, 32), shapes  # (in / 2, out)
     assert shapes["model.transformer.wte.weight"] == (64, 32), shapes  # tied to lm_head on the other stage: whole
+    # Qwen2 (its own plan, no override): the embedding and the head tied to it on the other stage, both split by
+    # vocabulary rows, their gradients summed shard by shard; nothing kept whole
+    qwen2 = runs[2]
+    assert qwen2[0]["parallel"]["plan_source"] == "model" and "replicated_why" not in qwen2[0]["parallel"], qwen2[0]
+    assert qwen2[0]["shapes"]["model.model.embed_tokens.weight"] == (32, 32), qwen2[0]["shapes"]  # (vocab / 2, C)
+    assert qwen2[-1]["shapes"]["model.lm_head.weight"] == (32, 32), qwen2[-1]["shapes"]
 
 
 @needs_torch_2_13
@@ -103,12 +113,20 @@ def test_fsdp_replicas_of_traced_stages_with_tensor_parallelism_are_refused_befo
     assert "split by tracing" in str(raised.value) and "\n" not in str(raised.value)
 
 
-@needs_torch_2_13
-def test_sharding_a_parameter_tied_across_traced_stages_is_refused() -> None:
+def test_a_parameter_tied_across_traced_stages_is_sharded_alike_or_kept_whole_with_the_reason() -> None:
+    """An embedding tied to the head on another stage: split by vocabulary rows by both (their gradients are then
+    summed shard by shard), else kept whole by both, the plan's other entries untouched and the reason recorded."""
     network = torch.nn.ModuleDict({"emb": torch.nn.Embedding(8, 4), "head": torch.nn.Linear(4, 8, bias=False)})
     network["head"].weight = network["emb"].weight
+    network["mlp"] = torch.nn.Linear(4, 4)
     tied = [TiedGroup(("emb.weight", "head.weight"), (0, 1), 1, (8, 4), torch.float32)]
-    refuse_traced_sharding(network, {"head": "replicate"}, tied, replicas="replicate", dp=1)
-    with pytest.raises(ValueError, match=r"head \(colwise\) would shard head.weight, which is tied") as raised:
-        refuse_traced_sharding(network, {"head": "colwise"}, tied, replicas="replicate", dp=1)
-    assert "HINT: map head to 'replicate'" in str(raised.value) and "\n" not in str(raised.value)
+    both_rows = {"emb": "vocab_parallel", "head": "colwise", "mlp": "colwise"}
+    (_, plan, whole), groups = settle_tied(network, ("model", both_rows, {}), tied)
+    assert plan == both_rows and not whole and groups[0].shard_dim == 0
+    assert groups[0].local_shape(1, 2) == (4, 4) and groups[0].local_shape(2, 3) == (2, 4)  # torch.chunk's sizes
+    for differing in ({"emb": "vocab_parallel", "head": "rowwise"}, {"head": "colwise"}):
+        (_, plan, whole), groups = settle_tied(network, ("model", {**differing, "mlp": "colwise"}, {}), tied)
+        assert plan == {"mlp": "colwise"} and groups[0].shard_dim is None, plan
+        assert set(whole) == set(differing) and "tied across pipeline stages" in whole["head"], whole
+    (_, plan, whole), groups = settle_tied(network, ("model", {"mlp": "colwise"}, {}), tied)
+    assert plan == {"mlp": "colwise"} and not whole and groups[0].shard_dim is None

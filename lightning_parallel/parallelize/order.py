@@ -101,8 +101,9 @@ def parallelize_pipeline(network: nn.Module, s: PipelineSettings, inputs: Callab
     # 1. split: where the whole network is cut into stages, and which parameters stages share
     microbatches = s.microbatches_for(dims.pp)
     stages = split_network(network, inputs, dims, s.spec, s.balance, microbatches=microbatches, device=device)
-    # 2. plan: the layers sharded over "tp", resolved on the whole network by their original names
-    plan = plan_stages(network, s.plan, dims=dims, stages=stages, replicas=s.replicas)
+    # 2. plan: the layers sharded over "tp", resolved on the whole network by their original names (a parameter
+    #    tied across stages sharded alike by every holder, or kept whole)
+    plan, stages = plan_stages(network, s.plan, dims=dims, stages=stages, replicas=s.replicas)
     # 3. prune: this rank keeps its own stages' blocks (on the meta device still, when built there)
     keep_own_stages(stages, mesh)
     # 4. materialise and shard: one process's values, each planned layer sharded over "tp" as it gets them (one

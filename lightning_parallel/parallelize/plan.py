@@ -5,19 +5,19 @@ inside traced pipeline stages refuses. It shards nothing (`materialize.py` does)
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import replace
 
 from torch import nn
 
 from lightning_parallel.dims import ParallelDims
 from lightning_parallel.parallelize.split import Stages
-from lightning_parallel.pipeline.tied import TiedGroup
+from lightning_parallel.parallelize.tied_plan import settle_tied
 from lightning_parallel.seams import refuse_older_torch
 from lightning_parallel.tensor.hf_plans import transformers_plan
 from lightning_parallel.tensor.pairing import auto_plan
 from lightning_parallel.tensor.plans import check_plan, expand_plan
 from lightning_parallel.tensor.structure import structural_plan
-from lightning_parallel.tensor.traced_stages import parameter_placements
 
 # (source, exact-name plan, why each unplanned module stays whole)
 Plan = tuple[str, dict[str, str], dict[str, str]]
@@ -31,15 +31,18 @@ def plan_stages(
     dims: ParallelDims,
     stages: Stages | None,
     replicas: str,
-) -> Plan | None:
+) -> tuple[Plan | None, Stages | None]:
     """The pipeline's plan for the whole network (a traced network's modules by their original names), before it is
-    cut, so every stage shards its layers alike; None at tp=1, where nothing is sharded."""
+    cut, so every stage shards its layers alike; None at tp=1, where nothing is sharded. Also the cut, its tied
+    parameters saying how they are sharded (`tied_plan.py`: alike on every holder, or whole with the reason)."""
     if dims.tp == 1:
-        return None
+        return None, stages
     resolved = resolve_stage_plan(network, plan, dims.tp)
     if stages is not None and stages.traced:  # traced stages compute on the planned modules' DTensor shards
-        refuse_traced_sharding(network, resolved[1], stages.tied, replicas=replicas, dp=dims.dp)
-    return resolved
+        refuse_traced_sharding(network, replicas=replicas, dp=dims.dp)
+        resolved, tied = settle_tied(network, resolved, stages.tied)
+        stages = replace(stages, tied=tied)
+    return resolved, stages
 
 
 def plan_layers(
@@ -98,12 +101,10 @@ def _own_plan(network: nn.Module) -> Mapping[str, str] | None:
     return own if isinstance(own, Mapping) else None
 
 
-def refuse_traced_sharding(
-    network: nn.Module, plan: Mapping[str, str], tied: Sequence[TiedGroup], *, replicas: str, dp: int
-) -> None:
+def refuse_traced_sharding(network: nn.Module, *, replicas: str, dp: int) -> None:
     """What tensor parallelism inside traced stages does not do yet, one line each (on every rank, before any
-    collective): shard a parameter tied across stages, or run under FSDP2 replicas (whose hooks are on the real
-    modules' forwards, which traced stages never call), or run on a torch older than it passed on."""
+    collective): run under FSDP2 replicas (whose hooks are on the real modules' forwards, which traced stages never
+    call), or run on a torch older than it passed on."""
     refuse_older_torch(
         "tensor parallelism inside traced pipeline stages",
         "use tensor_parallel_size=1, or write the network as an nn.Sequential of blocks",
@@ -114,14 +115,3 @@ def refuse_traced_sharding(
             "with tensor_parallel_size > 1 (traced stages never call the modules' forwards, where FSDP2 gathers). "
             "HINT: use replicas='replicate'"
         )
-    tied_names = {name for group in tied for name in group.names}
-    for module_name, style in plan.items():
-        shared = sorted(
-            f"{module_name}.{key}" for key in parameter_placements(network.get_submodule(module_name), style)
-            if f"{module_name}.{key}" in tied_names
-        )  # fmt: skip
-        if shared:
-            raise ValueError(
-                f"tensor plan: {module_name} ({style}) would shard {', '.join(shared)}, which is tied across "
-                f"pipeline stages. HINT: map {module_name} to 'replicate'"
-            )

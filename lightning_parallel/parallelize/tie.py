@@ -18,4 +18,5 @@ def tie_across_stages(network: nn.Module, stages: Stages | None, mesh: DeviceMes
     if stages is None or not stages.tied:
         return
     assert mesh is not None  # a cut exists only over a pipeline mesh dimension
-    broadcast_tied_values(network, stages.tied, mesh.get_group("pp"))
+    tp = (mesh.get_local_rank("tp"), mesh["tp"].size())  # a tie sharded over "tp" is tied part by part
+    broadcast_tied_values(network, stages.tied, mesh.get_group("pp"), tp)

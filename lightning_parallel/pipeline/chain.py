@@ -41,27 +41,29 @@ def stage_flows(split_graph: fx.Graph) -> tuple[list[StageFlow], list[str]]:
     """
     defined: list[str] = []  # every value in definition order (network inputs first)
     producer: dict[str, int] = {}  # value -> index of the stage computing it (network inputs: -1)
-    stages: list[fx.Node] = []
-    results: list[dict[str, int | None]] = []
+    stages: dict[int, fx.Node] = {}
+    results: dict[int, dict[str, int | None]] = {}
     for node in split_graph.nodes:
         if node.op == "placeholder":
             producer[node.name] = -1
         elif node.op == "call_module":
-            stages.append(node)
-            results.append({})
+            index = stage_index(node)
+            stages[index], results[index] = node, {}
             if not node.users or any(user.target is not operator.getitem for user in node.users):
-                results[-1][node.name] = None
-                producer[node.name] = len(stages) - 1
+                results[index][node.name] = None
+                producer[node.name] = index
         elif node.op == "call_function" and node.target is operator.getitem:
-            stage = stages.index(node.args[0])
-            results[stage][node.name] = node.args[1]
-            producer[node.name] = stage
+            index = stage_index(node.args[0])  # type: ignore[arg-type]
+            results[index][node.name] = node.args[1]  # type: ignore[assignment]
+            producer[node.name] = index
         elif node.op != "output":
             raise RuntimeError(f"unexpected node {node.format_node()} in torch's split graph. HINT: report this.")
         if node.name in producer:
             defined.append(node.name)
+    if sorted(stages) != list(range(len(stages))):
+        raise RuntimeError(f"torch's split graph calls stages {sorted(stages)}. HINT: report this.")
     outputs = _node_names(split_graph.output_node().args[0])
-    uses = [_node_names((node.args, node.kwargs)) for node in stages]
+    uses = [_node_names((stages[index].args, stages[index].kwargs)) for index in range(len(stages))]
     flows = []
     for index in range(len(stages)):
         later = {name for used in uses[index + 1 :] for name in used} | set(outputs)
@@ -70,6 +72,14 @@ def stage_flows(split_graph: fx.Graph) -> tuple[list[StageFlow], list[str]]:
         live_out = [n for n in defined if producer[n] <= index and n in later]
         flows.append(StageFlow(tuple(uses[index]), results[index], tuple(live_in), tuple(live_out)))
     return flows, outputs
+
+
+def stage_index(node: fx.Node) -> int:
+    """The stage a ``submod_pp_<i>`` call of torch's split graph computes. The graph may call stages out of order (a
+    stage nothing reads yet comes first: GPT-NeoX's rotary embedding before the dropout after its token embedding),
+    and ``Pipe.get_stage_module(i)`` is by this number, so the chain follows it, not the call order."""
+    index = node.meta.get("stage_idx")
+    return int(index) if index is not None else int(str(node.target).rsplit("_", 1)[1])
 
 
 def _node_names(arg: fx.node.Argument) -> list[str]:

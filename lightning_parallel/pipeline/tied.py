@@ -2,7 +2,8 @@
 
 Each rank that uses such a parameter holds its own copy after pruning. As Megatron does for embeddings, the
 copies start from one value and their gradient contributions are summed between the holders before every
-optimizer step, so the copies stay identical and equal one process's single parameter. Torch only.
+optimizer step, so the copies stay identical and equal one process's single parameter. A copy sharded over "tp"
+(a DTensor, sharded alike on every holder: `shard_dim`) is tied shard by shard. Torch only.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,7 @@ class TiedGroup:
         source: the rank whose value every holder starts from: the one holding the last block that uses it,
             because name-keyed initialisation on one process leaves the value of the last module initialised.
         shape / dtype: the parameter's, so ranks without it can join the collectives.
+        shard_dim: the dimension every holder shards it on over "tp" (a DTensor's Shard), None when held whole.
     """
 
     names: tuple[str, ...]
@@ -32,6 +35,17 @@ class TiedGroup:
     source: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+    shard_dim: int | None = None
+
+    def local_shape(self, tp_rank: int, tp_size: int) -> tuple[int, ...]:
+        """The shape of tensor rank `tp_rank`'s part: DTensor's Shard, torch.chunk's sizes (the last ones shorter)."""
+        if self.shard_dim is None:
+            return self.shape
+        size = self.shape[self.shard_dim]
+        chunk = -(-size // tp_size)
+        shape = list(self.shape)
+        shape[self.shard_dim] = max(0, min(chunk, size - tp_rank * chunk))
+        return tuple(shape)
 
 
 def local_parameter(network: nn.Module, group: TiedGroup) -> nn.Parameter | None:
@@ -44,31 +58,46 @@ def local_parameter(network: nn.Module, group: TiedGroup) -> nn.Parameter | None
     return None
 
 
-def broadcast_tied_values(network: nn.Module, groups: Sequence[TiedGroup], pp_group: dist.ProcessGroup) -> None:
-    """Give every holder the source rank's value (the ranks not holding it join with a scratch tensor)."""
+def broadcast_tied_values(
+    network: nn.Module, groups: Sequence[TiedGroup], pp_group: dist.ProcessGroup, tp: tuple[int, int] = (0, 1)
+) -> None:
+    """Give every holder the source rank's value (the ranks not holding it join with a scratch tensor). `tp`: this
+    rank's (tensor rank, tensor size); a sharded copy is broadcast between the holders' parts of one tensor rank."""
     for tied in groups:
         param = local_parameter(network, tied)
         device = _device(network)
-        buffer = (
-            param.detach().clone() if param is not None else torch.empty(tied.shape, dtype=tied.dtype, device=device)
-        )
+        if param is not None:
+            buffer = _local(param).detach().clone()
+        else:
+            buffer = torch.empty(tied.local_shape(*tp), dtype=tied.dtype, device=device)
         dist.broadcast(buffer, group_src=tied.source, group=pp_group)
         if param is not None:
             with torch.no_grad():
-                param.copy_(buffer)
+                _local(param).copy_(buffer)
 
 
-def sum_tied_gradients(network: nn.Module, groups: Sequence[TiedGroup], pp_group: dist.ProcessGroup) -> None:
-    """Sum each shared parameter's gradient over the pipeline ranks; every holder gets the total."""
+def sum_tied_gradients(
+    network: nn.Module, groups: Sequence[TiedGroup], pp_group: dist.ProcessGroup, tp: tuple[int, int] = (0, 1)
+) -> None:
+    """Sum each shared parameter's gradient over the pipeline ranks; every holder gets the total (of its part, for a
+    copy sharded over "tp": the holders' parts of one tensor rank are the same rows)."""
     for tied in groups:
         param = local_parameter(network, tied)
         if param is not None and param.grad is not None:
-            total = param.grad.detach().float().clone()
+            total = _local(param.grad).detach().float().clone()
         else:
-            total = torch.zeros(tied.shape, dtype=torch.float32, device=_device(network))
+            total = torch.zeros(tied.local_shape(*tp), dtype=torch.float32, device=_device(network))
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
-        if param is not None:
-            param.grad = total.to(param.dtype)
+        if param is None:
+            continue
+        grad = total.to(param.dtype)
+        if isinstance(param, DTensor):
+            grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False)
+        param.grad = grad
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def counted_elsewhere(network: nn.Module, groups: Sequence[TiedGroup], rank: int) -> set[int]:

@@ -1,11 +1,9 @@
 """Split any ``nn.Module`` (custom ``forward`` included) into pipeline stages with torch's tracing frontend,
-``torch.distributed.pipelining.pipeline``, and bind the traced stages to a rank's real, pruned network.
+``torch.distributed.pipelining.pipeline``, traced per micro-batch shape, modes and device, on a meta-device copy.
 
-Traces a meta-device copy, never the real weights: a rank may hold only its own blocks. No process groups,
-no schedules and no Lightning here; ``chain.py`` turns torch's split into neighbour-only stages, ``trace_errors.py``
-words what the tracer cannot follow as one line naming the user's source line.
-Over 300 lines: the trace, the blocks found in it and the rebinding of traced stages to the real network are one
-concept.
+No process groups, schedules or Lightning here. ``chain.py`` turns torch's split into neighbour-only stages,
+``traced_blocks.py`` finds the blocks and their costs, ``rebind.py`` binds traced stages to a rank's real, pruned
+network, ``trace_errors.py`` words what the tracer cannot follow as one line naming the user's source line.
 """
 
 from __future__ import annotations
@@ -21,13 +19,24 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 from torch.utils import _pytree as pytree
-from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.pipeline.balance import split_explicit
 from lightning_parallel.pipeline.call import NetworkCall
 from lightning_parallel.pipeline.chain import rebuild_output, retarget_device, stage_flows, to_chain_stage
+from lightning_parallel.pipeline.rebind import (
+    canonical_names,
+    fill_constants,
+    meta_copy,
+    rebind,
+    shared_copy,
+    tensor_aliases,
+    traced_constants,
+)
 from lightning_parallel.pipeline.trace_errors import check_boundary, explain_failure
+from lightning_parallel.pipeline.traced_blocks import find_blocks, flop_costs, outside_blocks, prune_children
 from lightning_parallel.seams import refuse_older_torch, transformer_masks_as_given
+
+__all__ = ["TracedNetwork", "check_traceable", "prune_children"]  # prune_children: also reached from here
 
 
 class TracedNetwork:
@@ -49,7 +58,7 @@ class TracedNetwork:
     Attributes:
         blocks: Qualified names of the modules the network's ``forward`` calls exactly once, in call order
             (top-level children, or ``layers.0`` for items of a ``ModuleList``): the possible split points. A
-            child whose own forward runs a stack of layers is opened up (``_blocks``): a Hugging Face
+            child whose own forward runs a stack of layers is opened up (``traced_blocks.find_blocks``): a Hugging Face
             ``GPT2LMHeadModel`` gives ``transformer.wte``, ..., ``transformer.h.0``, ..., ``lm_head``.
         costs: Forward + backward FLOPs per block for the example batch, including the functional ops
             that follow the block up to the next one (what a stage starting at that block computes).
@@ -62,16 +71,17 @@ class TracedNetwork:
         call: NetworkCall | None = None,
     ) -> None:
         self._name = type(network).__name__
-        self._meta = _meta_copy(network)
+        self._meta = meta_copy(network)
         inputs = _as_inputs(example_inputs)
         self.call = call if call is not None else NetworkCall(len(inputs))
         self._out_spec: pytree.TreeSpec | None = None
         self._scalars: frozenset[int] = frozenset()  # indices of 0-d outputs (a loss)
-        self._aliases = _aliases(self._meta)
+        self._aliases = tensor_aliases(self._meta)
         self._cache: dict[tuple, list[nn.Module]] = {}
         modes = _modes(network)
         whole = self._trace(inputs, [], modes).get_stage_module(0)
-        self.blocks = _blocks(whole)
+        self._constants = self._constant_values(network, inputs, modes, traced_constants(whole))
+        self.blocks = find_blocks(whole)
         if not self.blocks:
             calls = [node.target for node in whole.graph.nodes if node.op == "call_module"]
             raise ValueError(
@@ -79,8 +89,8 @@ class TracedNetwork:
                 "HINT: give the network child modules (blocks) that its forward calls in order."
             )
         finest = self._chain(inputs, [[name] for name in self.blocks], modes)
-        self.costs = _flop_costs(finest, inputs)
-        self._uses = [_canonical_names(stage, self._meta) for stage in finest]
+        self.costs = flop_costs(finest, inputs)
+        self._uses = [canonical_names(stage, self._meta) for stage in finest]
 
     def stage_modules(
         self,
@@ -112,7 +122,7 @@ class TracedNetwork:
                 raise ValueError(
                     f"stage index {index} is out of range for {len(chain)} stages. HINT: use 0..{len(chain) - 1}."
                 )
-            _rebind(chain[index], network, f"stage {index} ({split[index][0]}..{split[index][-1]})", self._aliases)
+            rebind(chain[index], network, f"stage {index} ({split[index][0]}..{split[index][-1]})", self._aliases)
             built[index] = chain[index]
         return built
 
@@ -144,7 +154,7 @@ class TracedNetwork:
         read_anywhere = set().union(*reads)
         canonical = {id(p): name for name, p in self._meta.named_parameters()}
         unread = []
-        for name in _outside_blocks(self._meta, self.blocks):
+        for name in outside_blocks(self._meta, self.blocks):
             names = {canonical[id(p)] for p in self._meta.get_submodule(name).parameters()}
             if names and names <= read_anywhere and not names & read_here:  # never-read modules stay everywhere
                 unread.append(name)
@@ -169,6 +179,7 @@ class TracedNetwork:
                 to_chain_stage(module, flow, outputs=final, out_spec=self._out_spec, scalars=self._scalars)
                 if device is not None and device.type != "meta":
                     retarget_device(module, device)
+                    fill_constants(module, self._constants, device, f"{self._name} stage {index}")
                 chain.append(module)
             self._cache[key] = chain
         return self._cache[key]
@@ -184,16 +195,41 @@ class TracedNetwork:
                 f"compute the loss in training_step from {self._name}'s output, so its integer inputs stay in stage 0",
             )
 
-    def _trace(self, inputs: tuple[torch.Tensor, ...], split_points: list[str], modes: dict[str, bool]):
-        """torch's trace of the meta copy in the given modes; a failure becomes one ValueError line."""
+    def _constant_values(
+        self, network: nn.Module, inputs: tuple[torch.Tensor, ...], modes: dict[str, bool], found: dict
+    ) -> dict[str, torch.Tensor]:
+        """The values of the tensors the forward creates from Python values (GPT-Neo's mask value, Falcon's list
+        index), which the meta trace keeps without them: from one more trace, of the real network (still whole,
+        storage shared, nothing computed: export runs on fake tensors). None without such tensors."""
+        if not any(t.is_meta for t in found.values()):
+            return dict(found)
+        if any(t.is_meta for t in [*network.parameters(), *network.buffers()]):
+            raise ValueError(
+                f"pipeline tracing: {self._name}.forward creates tensors from Python values ({', '.join(found)}), "
+                "whose values a trace of a network on the meta device does not keep. HINT: build the model on the "
+                "CPU (not under trainer.init_module() or torch.device('meta'))"
+            )
+        real = self._trace(inputs, [], modes, source=network).get_stage_module(0)
+        return {name: t.detach().clone() for name, t in traced_constants(real).items()}
+
+    def _trace(
+        self,
+        inputs: tuple[torch.Tensor, ...],
+        split_points: list[str],
+        modes: dict[str, bool],
+        source: nn.Module | None = None,
+    ):
+        """torch's trace of the meta copy (or of `source`, storage shared) in the given modes; a failure becomes one
+        ValueError line."""
         # torch wraps the forward of every split-point module in place, so each trace gets a fresh copy
-        traced = copy.deepcopy(self._meta)
+        traced = copy.deepcopy(self._meta) if source is None else shared_copy(source)
         for name, module in traced.named_modules():
             module.training = modes.get(name, modes[""])
         outputs: list[object] = []
         traced.register_forward_hook(lambda module, args, output: outputs.append(output))
         # distinct tensors, even for one tensor passed twice: export would merge those into one input
-        args, kwargs = self.call.bind(tuple(torch.empty_like(t, device="meta") for t in inputs))
+        device = torch.device("meta") if source is None else next(iter(source.parameters())).device
+        args, kwargs = self.call.bind(tuple(torch.zeros_like(t, device=device) for t in inputs))
         if self.call.constants:  # flags are baked in, not inputs: a stage sends tensors only
             traced.forward = functools.partial(traced.forward, **dict(self.call.constants))
         spec = {name: SplitPoint.BEGINNING for name in split_points} or None
@@ -233,32 +269,6 @@ def check_traceable(
     return TracedNetwork(network, example_inputs, call)
 
 
-def prune_children(network: nn.Module, keep: Iterable[str], blocks: Sequence[str]) -> None:
-    """Replace every block in ``blocks`` but not in ``keep`` by ``nn.Identity()`` on its parent, in place.
-
-    Like ``partition.prune_to_blocks`` for any module: containers are never rebuilt, so kept parameters
-    keep their full-network names. Modules that are not blocks (called twice, or never) are left alone.
-    """
-    kept = set(keep)
-    unknown = sorted(kept - set(blocks))
-    if unknown:
-        raise ValueError(f"cannot keep unknown blocks {unknown}. HINT: valid block names are {list(blocks)}.")
-    for name in blocks:
-        if name not in kept:
-            parent, _, leaf = name.rpartition(".")
-            network.get_submodule(parent).add_module(leaf, nn.Identity())
-
-
-def _outside_blocks(network: nn.Module, blocks: Sequence[str]) -> list[str]:
-    """The outermost submodules that are no block, inside none and hold none (modules called twice, or not at all)."""
-    found: list[str] = []
-    for name, _ in network.named_modules():
-        related = [*blocks, *found]
-        if name and not any(name == b or name.startswith(b + ".") or b.startswith(name + ".") for b in related):
-            found.append(name)
-    return found
-
-
 def _as_inputs(example: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     inputs = (example,) if isinstance(example, torch.Tensor) else tuple(example)
     if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
@@ -270,102 +280,6 @@ def _as_inputs(example: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Te
     return inputs
 
 
-def _meta_copy(network: nn.Module) -> nn.Module:
-    """A deep copy whose parameters and buffers live on the meta device; real storage is never copied.
-
-    ``deepcopy`` returns memo entries as they are, so shared (tied) tensors stay shared in the copy.
-    """
-    memo: dict[int, object] = {}
-    for param in network.parameters():
-        memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
-    for buffer in network.buffers():
-        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
-    return copy.deepcopy(network, memo)
-
-
 def _modes(network: nn.Module) -> dict[str, bool]:
     """Training flag per module name ("" is the network): what the trace must bake in."""
     return {name: module.training for name, module in network.named_modules() if not isinstance(module, nn.Identity)}
-
-
-def _blocks(traced: nn.Module) -> list[str]:
-    """The submodules a traced module's graph calls exactly once, in call order; one whose own calls include a
-    stack of layers (numbered items, ``h.0``, ``layer.3``), at any depth, is replaced by its own blocks. A model
-    that wraps its whole stack in one child (``model.transformer``) thus splits between layers, while a layer's
-    own parts (attention, MLP) stay together."""
-    calls = [str(node.target).split("@")[0] for node in traced.graph.nodes if node.op == "call_module"]  # type: ignore[union-attr]
-    found: list[str] = []
-    for name in dict.fromkeys(call for call in calls if calls.count(call) == 1):
-        child = traced.get_submodule(name)
-        inner = _blocks(child) if isinstance(getattr(child, "graph", None), torch.fx.Graph) else []
-        if any(part.isdigit() for block in inner for part in block.split(".")):
-            found += [f"{name}.{block}" for block in inner]
-        else:
-            found.append(name)
-    return found
-
-
-def _real_name(name: str) -> str:
-    """``shared@1.weight`` (a second call of ``shared`` in torch's unflattened graph) -> ``shared.weight``."""
-    return ".".join(part.split("@")[0] for part in name.split("."))
-
-
-def _aliases(network: nn.Module) -> dict[str, list[str]]:
-    """Every name of each parameter and buffer -> all names of that tensor (tied weights have several)."""
-    names: dict[int, list[str]] = {}
-    for name, tensor in [
-        *network.named_parameters(remove_duplicate=False),
-        *network.named_buffers(remove_duplicate=False),
-    ]:
-        names.setdefault(id(tensor), []).append(name)
-    return {name: group for group in names.values() for name in group}
-
-
-def _rebind(stage: nn.Module, network: nn.Module, label: str, aliases: dict[str, list[str]]) -> None:
-    """Point every parameter and buffer slot of a traced stage at ``network``'s tensor of the same name, or of
-    another name of the same tensor: torch's trace names a tied weight by one of its names (``lm_head.weight`` for
-    the embedding too), and a rank may hold it only under another (the embedding's, with the head pruned)."""
-    for store, named, lookup in (
-        ("_parameters", stage.named_parameters, network.get_parameter),
-        ("_buffers", stage.named_buffers, network.get_buffer),
-    ):
-        for name, _ in list(named(remove_duplicate=False)):
-            owner, _, leaf = name.rpartition(".")
-            real = None
-            for candidate in dict.fromkeys([_real_name(name), *aliases.get(_real_name(name), [])]):
-                with contextlib.suppress(AttributeError):
-                    real = lookup(candidate)
-                    break
-            if real is None:
-                raise ValueError(
-                    f"{label} reads {store[1:-1]} {_real_name(name)!r}, which the network does not hold. "
-                    "HINT: build only the stages whose blocks this rank kept (see prune_children)."
-                )
-            getattr(stage.get_submodule(owner), store)[leaf] = real
-
-
-def _canonical_names(stage: nn.Module, meta: nn.Module) -> set[str]:
-    """The network-level names (first name of each tensor) of the parameters one traced stage reads."""
-    canonical = {id(p): name for name, p in meta.named_parameters()}
-    return {
-        canonical[id(meta.get_parameter(_real_name(name)))]
-        for name, _ in stage.named_parameters(remove_duplicate=False)
-    }
-
-
-def _flop_costs(stages: Sequence[nn.Module], inputs: tuple[torch.Tensor, ...]) -> list[float]:
-    """Forward + backward FLOPs of each chained stage, run on the meta device (nothing is materialised)."""
-    values = tuple(torch.empty_like(t, device="meta") for t in inputs)
-    costs = []
-    for index, stage in enumerate(stages):
-        values = tuple(v.detach().requires_grad_(index > 0 and v.is_floating_point()) for v in values)
-        with FlopCounterMode(display=False) as counter:
-            out = stage(*values)
-            grads = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if grads:
-                torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
-        costs.append(float(counter.get_total_flops()))
-        values = out if isinstance(out, tuple) else (out,)
-    for param in stages[0].parameters() if stages else []:
-        param.grad = None
-    return costs

@@ -80,9 +80,9 @@ class PipelineSplit(MeshStrategy):
             self.refuse_block_options_when_traced(network)
         self.refuse_meta_outside(module, network)
         if self.dims.tp > 1:
-            _, plan, _ = resolve_stage_plan(network, self.plan, self.dims.tp)
+            resolve_stage_plan(network, self.plan, self.dims.tp)
             if self.pipelined and not isinstance(network, nn.Sequential):
-                refuse_traced_sharding(network, plan, [], replicas=self.replicas, dp=self.dims.dp)
+                refuse_traced_sharding(network, replicas=self.replicas, dp=self.dims.dp)
         if not self.pipelined:
             return
         if not module.automatic_optimization:

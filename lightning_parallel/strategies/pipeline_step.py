@@ -285,7 +285,8 @@ class PipelinedStep(PipelineSplit):
     def _average_over_replicas(self) -> None:
         """Sum tied parameters' gradients over their stages, then all-reduce each stage's gradients across
         data-parallel replicas, once per optimizer step."""
-        sum_tied_gradients(self.network_of(self.module), self._tied, self.group("pp"))
+        tp = (self.device_mesh.get_local_rank("tp"), self.dims.tp)
+        sum_tied_gradients(self.network_of(self.module), self._tied, self.group("pp"), tp)
         if self.dims.dp == 1 or self.replicas == "fsdp":  # FSDP2 already reduce-scattered them
             return
         # DTensor gradients (tensor parallelism): each rank averages its own shard

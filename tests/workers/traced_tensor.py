@@ -11,16 +11,19 @@ import torch
 from common import payload
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
+from hf_families import causal_lm  # noqa: E402
 from user_modules import CausalLM, build, fit, tiny_gpt2, token_loader  # noqa: E402
 
 from lightning_parallel import PipelineParallelStrategy  # noqa: E402
+
+LANGUAGE_MODELS = {"gpt2": tiny_gpt2, "qwen2_tied": lambda: causal_lm("qwen2_tied")}  # called positionally
 
 configs, out = payload()
 results = []
 for config in configs:
     torch.manual_seed(0)
-    gpt2 = config["net"] == "gpt2"
-    module = CausalLM(tiny_gpt2()) if gpt2 else build(config["net"], "criterion")
+    gpt2 = config["net"] in LANGUAGE_MODELS
+    module = CausalLM(LANGUAGE_MODELS[config["net"]]()) if gpt2 else build(config["net"], "criterion")
     strategy = PipelineParallelStrategy(**config["strategy"], timeout=120)
     try:
         data = token_loader(batch_size=config["batch_size"]) if gpt2 else None
