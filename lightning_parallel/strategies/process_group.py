@@ -37,6 +37,7 @@ class RunningGroup:
 
 
 _running: RunningGroup | None = None  # one per process: the default group is process-wide
+_store: dist.Store | None = None  # the default group's rendezvous store (every world size)
 
 
 def start_process_group(
@@ -44,15 +45,22 @@ def start_process_group(
 ) -> None:
     """Rendezvous and start the default process group with `timeout` for collectives, unless one exists (a later
     fit in the same processes reuses it, its store and heartbeat)."""
-    global _running
+    global _running, _store
     if _distributed_is_initialized():
         return
     address, port = environment.main_address, environment.main_port
     store = store_for(address, port, rank=rank, world_size=world_size, timeout=max(timeout, JOIN_TIMEOUT))
     _init_dist_connection(environment, backend, timeout=timeout, store=store, **kwargs)
+    _store = store
     if world_size > 1:
         heartbeat = Heartbeat(store, rank=rank, interval=interval_for(timeout)).start()
         _running = RunningGroup(store, heartbeat, world_size, timeout)
+
+
+def group_store() -> dist.Store | None:
+    """The store this attempt's default group rendezvoused on (new with each attempt), or None when the group was
+    not started by `start_process_group`."""
+    return _store
 
 
 def timed_out(error: BaseException) -> bool:
