@@ -76,6 +76,10 @@ class PaddedGPT2(pl.LightningModule):
         self.log("train_loss", out.loss, sync_dist=True)
         return out.loss
 
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        self.log("val_loss", out.loss, sync_dist=True)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
@@ -132,10 +136,11 @@ def fit(
     steps: int,
     batch_size: int = BATCH,
     order: list[int] | None = None,
+    validate: bool = False,
     **trainer_kwargs: Any,
 ) -> dict[str, Any]:
     """Fit `MODULES[name]` on the padded batches through `user_modules.fit` (the user's defaults); also the warnings
-    raised on this rank."""
+    raised on this rank. `validate`: the same batches validate after the epoch (`val_loss`)."""
     import warnings
 
     from user_modules import fit as fit_module
@@ -151,6 +156,7 @@ def fit(
             steps=steps,
             shuffle=False,
             data=padded_loader(batch_size, order),
+            val_data=padded_loader(batch_size) if validate else None,
             **trainer_kwargs,
         )
     return {**result, "warnings": [str(w.message) for w in caught]}

@@ -29,7 +29,9 @@ WARNED = "is averaged as"  # what the one line for a loss that cannot be made ex
 
 
 def pipeline(name: str, schedule: str, **extra: Any) -> dict[str, Any]:
-    return {"name": name, "devices": 2, "steps": STEPS, "strategy": {"schedule": schedule, "microbatches": 4}, **extra}
+    """GPT-2 validates too: its `out.loss` over a forward-only schedule's micro-batches must be the batch's."""
+    strategy = {"schedule": schedule, "microbatches": 4}
+    return {"name": name, "devices": 2, "steps": STEPS, "strategy": strategy, "validate": name == "gpt2", **extra}
 
 
 # One launch of 2 processes for every layout of 2 (per replica, batches of 8 / replicas rows)
@@ -58,8 +60,9 @@ def one_device(config: dict[str, Any]) -> dict[str, Any]:
 
     order = shuffled_order() if config.get("kind") == "ddp" else None
     return fit(
-        config["name"], strategy="auto", devices=1, steps=config["steps"], order=order, **config.get("trainer", {})
-    )
+        config["name"], strategy="auto", devices=1, steps=config["steps"], order=order,
+        validate=config.get("validate", False), **config.get("trainer", {}),
+    )  # fmt: skip
 
 
 def assert_matches(config: dict[str, Any], results: list[dict[str, Any]], ref: dict[str, Any]) -> float:
@@ -96,6 +99,10 @@ def test_pipeline_schedules_match_one_device_on_padded_batches(two_processes: li
         results = [rank[index] for rank in two_processes]
         worst = assert_matches(config, results, refs[key])
         assert not any(warned(result) for result in results), config
+        if config["validate"]:  # padded validation batches: the loss over each batch's valid labels, as one device's
+            assert "val_loss" in refs[key]["metrics"]
+            for result in results:
+                assert abs(result["metrics"]["val_loss"] - refs[key]["metrics"]["val_loss"]) < TOL, config
         print(f"pipeline {config['name']} {config['strategy']['schedule']} {config.get('trainer', '')}: {worst:.1e}")
 
 
