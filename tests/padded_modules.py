@@ -7,6 +7,7 @@ masked mean. Nothing here knows about our strategies.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -120,11 +121,23 @@ class TokenClassifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class Branching(TokenClassifier):
+    """Rank 1's second step computes its loss by hand (a branch), every other step F.cross_entropy: the replicas
+    disagree on making the call whose count they total."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.loss = "masked_mean" if self.global_rank == 1 and batch_idx == 1 else "functional"
+        if self.loss == "masked_mean":
+            print(f"branch taken at {time.time()}", flush=True)  # when the replicas' calls part ways
+        return super().training_step(batch, batch_idx)
+
+
 MODULES: dict[str, Any] = {
     "gpt2": PaddedGPT2,
     "functional": lambda: TokenClassifier("functional"),
     "criterion": lambda: TokenClassifier("criterion"),
     "masked_mean": lambda: TokenClassifier("masked_mean"),
+    "branching": Branching,
 }
 
 

@@ -10,6 +10,7 @@ one warning line on rank 0.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ STEPS = 3  # every batch of the epoch: 8 rows of 16 tokens, 8 of 15, 6 of 16
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble"]
 EXACT = ["gpt2", "functional", "criterion"]
 WARNED = "is averaged as"  # what the one line for a loss that cannot be made exact says
+AVERAGED_LOGS = "per micro-batch: each is logged as the mean"  # the one line for other values logged in the step
 
 
 def pipeline(name: str, schedule: str, **extra: Any) -> dict[str, Any]:
@@ -99,6 +101,8 @@ def test_pipeline_schedules_match_one_device_on_padded_batches(two_processes: li
         results = [rank[index] for rank in two_processes]
         worst = assert_matches(config, results, refs[key])
         assert not any(warned(result) for result in results), config
+        # train_loss is the returned loss (each micro-batch's share): not named as a mean of micro-batch values
+        assert not any(AVERAGED_LOGS in line for result in results for line in result["warnings"]), config
         if config["validate"]:  # padded validation batches: the loss over each batch's valid labels, as one device's
             assert "val_loss" in refs[key]["metrics"]
             for result in results:
@@ -151,3 +155,41 @@ def test_data_by_pipeline_parallelism_matches_one_device_on_padded_batches(tmp_p
     ref = one_device(config)
     assert {**results[0]["state"], **results[1]["state"]}.keys() == ref["state"].keys()  # replica 0's two stages
     print(f"dp2 x pp2 functional: {assert_matches(config, results, ref):.1e}")
+
+
+@pytest.mark.slow
+def test_replicas_that_disagree_on_the_token_mean_call_end_in_one_line_not_a_hang(tmp_path: Path) -> None:
+    """DDP: rank 1's second step computes its loss by hand while rank 0's calls F.cross_entropy, whose count the
+    replicas total, and then waits in its own collective (sync_dist logging). Rank 0 finds it there through its
+    heartbeat and ends the run with one line naming both ranks, long before the collective timeout (20 s) would."""
+    import time
+
+    from distributed import run_workers
+
+    timeout = 20
+    config = {"name": "branching", "devices": 2, "steps": STEPS, "batch_size": 4, "kind": "ddp"}
+    with pytest.raises(AssertionError, match=r"ranks \[.*\] failed"):
+        run_workers("padded_text", 2, [{**config, "strategy": {"timeout": timeout}}], tmp_path, timeout=120)
+    branched = re.search(r"branch taken at ([0-9.]+)", (tmp_path / "rank1.log").read_text())
+    assert branched is not None
+    seconds = time.time() - float(branched.group(1))
+    line = "Branching.training_step: rank(s) [0] computed step 1's mean over valid targets"
+    logs = "".join((tmp_path / f"rank{rank}.log").read_text() for rank in (0, 1))
+    assert line in logs and "and rank(s) [1] did not (rank 0 waited" in logs, logs[-3000:]
+    assert seconds < timeout, f"the run ended {seconds:.0f} s after the branch (collective timeout {timeout} s)"
+
+
+def test_values_logged_in_a_pipelined_step_other_than_its_loss_are_named_in_one_line() -> None:
+    """A token accuracy logged per micro-batch is replayed as the mean of the micro-batches' values: named once;
+    the returned loss (each micro-batch's share of the batch's mean) and Metrics (their states add up) are not."""
+    from lightning_parallel.strategies.step_logs import LogRecord, averaged_logs_line
+
+    def micro(accuracy: float) -> list[LogRecord]:
+        loss = LogRecord("train_loss", 2.0, {}, is_loss=True)
+        return [loss, LogRecord("train_acc", accuracy, {}), LogRecord("acc_metric", 0.5, {}, metric="accuracy")]
+
+    line = averaged_logs_line("MyModule.training_step", [micro(0.5), micro(0.25)])
+    assert line is not None and "\n" not in line and "HINT: " in line
+    assert line.startswith("MyModule.training_step logs train_acc per micro-batch: each is logged as the mean of its 2")
+    assert averaged_logs_line("M.training_step", [micro(0.5)]) is None  # one micro-batch: the batch's own value
+    assert averaged_logs_line("M.training_step", [micro(0.5)[:1], micro(0.25)[:1]]) is None  # the loss only

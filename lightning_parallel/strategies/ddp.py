@@ -6,18 +6,19 @@ each replica's own (`token_mean.py`)."""
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_parallel.replica_calls import ReplicaCalls
 from lightning_parallel.seams import finish_restored_epoch
 from lightning_parallel.strategies.arguments import check_timeout
 from lightning_parallel.strategies.module_access import ModuleAccess
 from lightning_parallel.strategies.peers import PeerFailure, check_nodes, stop_peers
-from lightning_parallel.strategies.process_group import name_the_hang, start_process_group
+from lightning_parallel.strategies.process_group import name_the_hang, replica_calls, start_process_group
 from lightning_parallel.token_mean import step_over_replicas
 
 DEFAULT_TIMEOUT = default_pg_timeout  # Lightning's own default
@@ -32,6 +33,7 @@ class DDPStrategy(ModuleAccess, LightningDDPStrategy):
     # over valid tokens; strategies whose replicas step alone (local SGD, DiLoCo, async SGD) keep their own means.
     token_mean_over_replicas: ClassVar[bool] = True
     _warned_inexact = False
+    _token_calls: ReplicaCalls | Literal[False] | None = None  # every replica makes the step's token mean (False: none)
 
     def __init__(self, *, timeout: float | timedelta | None = DEFAULT_TIMEOUT, **kwargs: Any) -> None:
         if timeout is not None:
@@ -50,7 +52,10 @@ class DDPStrategy(ModuleAccess, LightningDDPStrategy):
             return super().training_step(*args, **kwargs)
         where = f"{type(self.module).__name__}.training_step"
         step = lambda: super(DDPStrategy, self).training_step(*args, **kwargs)  # noqa: E731
-        result, inexact = step_over_replicas(step, group=None, replicas=self.world_size, where=where)
+        if self._token_calls is None:
+            self._token_calls = replica_calls(None) or False
+        calls = self._token_calls or None
+        result, inexact = step_over_replicas(step, group=None, replicas=self.world_size, where=where, calls=calls)
         if inexact is not None and not self._warned_inexact:
             rank_zero_warn(inexact)
             self._warned_inexact = True

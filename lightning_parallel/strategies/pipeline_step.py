@@ -26,11 +26,11 @@ from lightning_parallel.pipeline.tied import counted_elsewhere, sum_tied_gradien
 from lightning_parallel.pipeline.token_shares import TokenShares, unweighted_eval_loss, whole_batch_model_loss
 from lightning_parallel.replicas import average_
 from lightning_parallel.strategies.pipeline_split import PipelineSplit
+from lightning_parallel.strategies.step_logs import averaged_logs_line, replay_logs
 from lightning_parallel.strategies.user_step import (
     MicroSteps,
     StepRefused,
     capture_network_inputs,
-    replay_logs,
     swap_attribute,
 )
 from lightning_parallel.tensor.plans import keep_gradients_sharded
@@ -49,6 +49,7 @@ class PipelinedStep(PipelineSplit):
     _fresh_grads: list[torch.Tensor | None] | None
     _local_params: list[nn.Parameter] | None
     _warned_eval_loss = False
+    _warned_logs = False
 
     @override
     def on_device(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -140,6 +141,10 @@ class PipelinedStep(PipelineSplit):
         if step_report.inexact is not None and not self._warned_inexact:
             rank_zero_warn(step_report.inexact)
             self._warned_inexact = True
+        averaged = averaged_logs_line(f"{type(module).__name__}.training_step", step_report.records)
+        if averaged is not None and not self._warned_logs:
+            rank_zero_warn(averaged)
+            self._warned_logs = True
         replay_logs(module, step_report.records, holds_metrics=self.runtime.has_last)
         return torch.tensor(value, dtype=torch.float32, device=self.root_device)
 

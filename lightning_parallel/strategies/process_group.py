@@ -20,6 +20,7 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized, 
 
 from lightning_parallel.heartbeat import Hang, Heartbeat, interval_for, read_hang
 from lightning_parallel.rendezvous import store_for
+from lightning_parallel.replica_calls import ReplicaCalls
 
 # How long the store waits for the other processes to start (importing torch and Lightning can take 10 s on a loaded
 # machine, a restarted torchrun attempt longer); a short collective `timeout` is for hung collectives, not slow starts.
@@ -61,6 +62,16 @@ def group_store() -> dist.Store | None:
     """The store this attempt's default group rendezvoused on (new with each attempt), or None when the group was
     not started by `start_process_group`."""
     return _store
+
+
+def replica_calls(group: dist.ProcessGroup | None) -> ReplicaCalls | None:
+    """The agreement on each step's token-mean call over `group` (`replica_calls.py`), through this attempt's store
+    and with its timeout; None when this package did not start the process group (or it is one process)."""
+    running = _running
+    if running is None:
+        return None
+    poll = min(running.heartbeat.interval, 1.0)
+    return ReplicaCalls(group, store=running.store, timeout=running.timeout.total_seconds(), poll=poll)
 
 
 def timed_out(error: BaseException) -> bool:
