@@ -406,6 +406,8 @@ def test_two_groups_of_two_processes_survive_a_sigkill_under_torchrun(tmp_path: 
         out = tmp_path / f"group{group}"
         out.mkdir()
         extra = [f"+callbacks.save={{_target_:replica_restart.SaveWeights,directory:{out}}}"]
+        start = f"{{_target_:replica_restart.StartTogether,directory:{tmp_path},ranks:4,name:group{group}}}"
+        extra += [f"+callbacks.start={start}"]
         if group == 0:
             extra += [f"+callbacks.hold={{_target_:replica_restart.HoldAt,step:{HOLD_STEP},file:{restarted}}}"]
         else:

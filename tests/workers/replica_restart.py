@@ -1,5 +1,6 @@
-"""Callbacks for replica groups restarted by torchrun (tests/test_replica_groups.py): a group that holds after a step
-until a file exists, a restarted attempt that writes that file once it is training, and each rank's final weights.
+"""Callbacks for replica groups restarted by torchrun (tests/test_replica_groups.py): every rank of every group starting
+its first step together, a group that holds after a step until a file exists, a restarted attempt that writes that
+file once it is training, and each rank's final weights.
 They change nothing in training; they only tell the test when the restart comes and what each rank ended with.
 """
 
@@ -12,6 +13,22 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+
+
+class StartTogether(pl.Callback):
+    """In torchrun's first attempt, wait (up to 300 s) at train start until `ranks` ranks in all have reached it: a
+    group that trained alone up to its hold would keep the other from forming a quorum (it stays healthy)."""
+
+    def __init__(self, *, directory: str, ranks: int, name: str) -> None:
+        self.directory, self.ranks, self.name = Path(directory), ranks, name
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != 0:
+            return
+        (self.directory / f"ready-{self.name}-{trainer.global_rank}").write_text("")
+        deadline = time.monotonic() + 300
+        while len(list(self.directory.glob("ready-*"))) < self.ranks and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 class HoldAt(pl.Callback):
