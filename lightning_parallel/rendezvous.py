@@ -77,6 +77,24 @@ def store_for(
     return store
 
 
+def store_beside(
+    store: dist.Store, address: str, *, key: str, rank: int, world_size: int, timeout: timedelta
+) -> tuple[str, int]:
+    """A new store at `address` (rank 0 hosts it on a free port), for a library that takes an address and a port
+    and keeps keys of its own there (torchft's Manager): its port goes through `store` (this attempt's) under `key`,
+    which each use names afresh, so no rank reads a previous attempt's or use's keys. Returns (address, port); the
+    store lives as long as this process (rank 0 keeps serving it)."""
+    if rank == 0:
+        own = bound_store(address, 0, rank=0, world_size=world_size, timeout=timeout)
+        _kept.append(own)
+        store.set(key, str(own.port))
+        return address, own.port
+    return address, int(store.get(key).decode())
+
+
+_kept: list[dist.TCPStore] = []  # stores served by this process for others (`store_beside`)
+
+
 def join(store: dist.Store, world_size: int) -> None:
     """Wait, up to the store's timeout, until all `world_size` ranks have reached `store`: a process group's own
     rendezvous then waits only its (possibly short) collective timeout, and a rank still importing torch on a loaded

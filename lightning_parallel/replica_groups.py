@@ -110,11 +110,19 @@ def join(
 @torch.no_grad()
 def average_gradients_(manager: Any, parameters: Iterable[Tensor]) -> None:
     """Replace each gradient by its mean over the groups of the current quorum: one float32 all-reduce through the
-    manager per device. A missing gradient is sent as zeros, so every group sends the same buffer (and receives one
-    afterwards). After a failed collective the values are garbage, and the manager's commit vote says no."""
-    gradients = []
-    for p in parameters:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        gradients.append(p.grad)
-    reduce_as_one_(gradients, lambda flat: manager.allreduce(flat).wait())
+    manager per device. Every group sends the same buffer: its gradients (a missing one as zeros) and one flag per
+    parameter saying whether it had one. A gradient missing on every group stays None, as one process training on
+    all the groups' batches would leave it (torch's optimizers then leave the parameter, its moments and its weight
+    decay alone); one missing on some groups only gets the quorum's mean, its own part zero. After a failed collective
+    the values are garbage, and the manager's commit vote says no."""
+    parameters = list(parameters)
+    devices = {p.device for p in parameters}
+    # per device, one flag per parameter on it (1: it has a gradient), read back in one copy afterwards
+    flags = {d: torch.tensor([float(p.grad is not None) for p in parameters if p.device == d]).to(d) for d in devices}
+    views = {d: iter(flags[d].split(1)) for d in devices}
+    present = [next(views[p.device]) for p in parameters]
+    gradients = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+    reduce_as_one_([*gradients, *present], lambda flat: manager.allreduce(flat).wait())
+    kept = {d: iter(f.tolist()) for d, f in flags.items()}
+    for p, gradient in zip(parameters, gradients, strict=True):
+        p.grad = gradient if next(kept[p.device]) > 0 else None

@@ -129,18 +129,21 @@ def _ignored(bound: inspect.BoundArguments) -> int:
 
 
 def step_over_replicas(
-    step: Callable[[], Any], *, group: dist.ProcessGroup | None, replicas: int, where: str
+    step: Callable[[], Any], *, group: dist.ProcessGroup | None, replicas: int, where: str, calls: Any = None
 ) -> tuple[Any, str | None]:
     """Run a training step whole on each of `replicas` data-parallel replicas (`group`), its mean over valid targets
     divided by the whole batch's count per replica (summed over `group` when the loss is computed: one all-reduce),
     so the replicas' averaged gradients are the whole batch's mean. Returns the step's result and the warning line
-    when its loss is not one device's (`where`: e.g. "MyModule.training_step")."""
+    when its loss is not one device's (`where`: e.g. "MyModule.training_step"). `calls`: the run's
+    `replica_calls.ReplicaCalls`, which ends replicas that disagree on making that call in one line (None: none)."""
 
     def divisor(count: torch.Tensor) -> torch.Tensor:
-        return summed(count, group) / replicas
+        return (calls.total(count, where) if calls is not None else summed(count, group)) / replicas
 
     with TokenMean(divisor) as mode:
         result = step()
+    if calls is not None:
+        calls.after_step(where)
     loss = mode.inexact()
     averaged = f"the mean of {replicas} replicas' losses"
     return result, inexact_warning(where, loss, averaged=averaged) if loss is not None else None

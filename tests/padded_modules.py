@@ -8,6 +8,7 @@ strategies.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -77,6 +78,10 @@ class PaddedGPT2(pl.LightningModule):
         self.log("train_loss", out.loss, sync_dist=True)
         return out.loss
 
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        self.log("val_loss", out.loss, sync_dist=True)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
@@ -125,6 +130,18 @@ class TokenClassifier(pl.LightningModule):
 PAD = 0  # the pad id `pad_batch` writes into input_ids
 CLASS_WEIGHTS = torch.linspace(0.5, 1.5, VOCAB)  # every class its own weight, the ignored one's included
 
+
+class Branching(TokenClassifier):
+    """Rank 1's second step computes its loss by hand (a branch), every other step F.cross_entropy: the replicas
+    disagree on making the call whose count they total."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.loss = "masked_mean" if self.global_rank == 1 and batch_idx == 1 else "functional"
+        if self.loss == "masked_mean":
+            print(f"branch taken at {time.time()}", flush=True)  # when the replicas' calls part ways
+        return super().training_step(batch, batch_idx)
+
+
 MODULES: dict[str, Any] = {
     "gpt2": PaddedGPT2,
     "functional": lambda: TokenClassifier("functional"),
@@ -132,6 +149,7 @@ MODULES: dict[str, Any] = {
     "accuracy": lambda: TokenClassifier("accuracy"),
     "masked_mean": lambda: TokenClassifier("masked_mean"),
     "weighted": lambda: TokenClassifier("weighted"),
+    "branching": Branching,
 }
 
 
@@ -143,10 +161,11 @@ def fit(
     steps: int,
     batch_size: int = BATCH,
     order: list[int] | None = None,
+    validate: bool = False,
     **trainer_kwargs: Any,
 ) -> dict[str, Any]:
     """Fit `MODULES[name]` on the padded batches through `user_modules.fit` (the user's defaults); also the warnings
-    raised on this rank."""
+    raised on this rank. `validate`: the same batches validate after the epoch (`val_loss`)."""
     import warnings
 
     from user_modules import fit as fit_module
@@ -162,6 +181,7 @@ def fit(
             steps=steps,
             shuffle=False,
             data=padded_loader(batch_size, order),
+            val_data=padded_loader(batch_size) if validate else None,
             **trainer_kwargs,
         )
     return {**result, "warnings": [str(w.message) for w in caught]}

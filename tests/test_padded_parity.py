@@ -10,6 +10,7 @@ id as `ignore_index` (not -100) under 1f1b, DDP and tp2. A hand-written masked m
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,10 +31,13 @@ TOKEN_PLAN = {"1": "colwise", "3": "rowwise", "5": "vocab_head"}  # padded_modul
 GPT2_PLAN = {"transformer.wte": "vocab_parallel", "lm_head": "vocab_head"}  # the head tied to the embedding
 VOCAB_PLANS = [TOKEN_PLAN, GPT2_PLAN]
 WARNED = "is averaged as"  # what the one line for a loss that cannot be made exact says
+AVERAGED_LOGS = "per micro-batch: each is logged as the mean"  # the one line for other values logged in the step
 
 
 def pipeline(name: str, schedule: str, **extra: Any) -> dict[str, Any]:
-    return {"name": name, "devices": 2, "steps": STEPS, "strategy": {"schedule": schedule, "microbatches": 4}, **extra}
+    """GPT-2 validates too: its `out.loss` over a forward-only schedule's micro-batches must be the batch's."""
+    strategy = {"schedule": schedule, "microbatches": 4}
+    return {"name": name, "devices": 2, "steps": STEPS, "strategy": strategy, "validate": name == "gpt2", **extra}
 
 
 # One launch of 2 processes for every layout of 2 (per replica, batches of 8 / replicas rows)
@@ -42,7 +46,8 @@ TWO = [
     pipeline("weighted", "1f1b"),
     pipeline("functional", "1f1b", steps=2, trainer={"accumulate_grad_batches": 2}),  # 2 batches, then the last
     pipeline("masked_mean", "1f1b"),
-    *({"name": name, "devices": 2, "steps": STEPS, "batch_size": 4, "kind": "ddp"} for name in [*EXACT, "masked_mean"]),
+    *({"name": name, "devices": 2, "steps": STEPS, "batch_size": 4, "kind": "ddp", "validate": name == "gpt2"}
+      for name in [*EXACT, "masked_mean"]),  # GPT-2 validates: each rank's 4 rows of the padded batch of 8
     {"name": "functional", "devices": 2, "steps": STEPS, "batch_size": 4, "kind": "tensor",
      "strategy": {"data_parallel_size": 2, "tensor_parallel_size": 1}},  # FSDP2 replicas
     *({"name": name, "devices": 2, "steps": STEPS, "kind": "tensor",
@@ -68,8 +73,9 @@ def one_device(config: dict[str, Any]) -> dict[str, Any]:
 
     order = shuffled_order() if config.get("kind") == "ddp" else None
     return fit(
-        config["name"], strategy="auto", devices=1, steps=config["steps"], order=order, **config.get("trainer", {})
-    )
+        config["name"], strategy="auto", devices=1, steps=config["steps"], order=order,
+        validate=config.get("validate", False), **config.get("trainer", {}),
+    )  # fmt: skip
 
 
 def assert_matches(config: dict[str, Any], results: list[dict[str, Any]], ref: dict[str, Any]) -> float:
@@ -106,6 +112,12 @@ def test_pipeline_schedules_match_one_device_on_padded_batches(two_processes: li
         results = [rank[index] for rank in two_processes]
         worst = assert_matches(config, results, refs[key])
         assert not any(warned(result) for result in results), config
+        # train_loss is the returned loss (each micro-batch's share): not named as a mean of micro-batch values
+        assert not any(AVERAGED_LOGS in line for result in results for line in result["warnings"]), config
+        if config["validate"]:  # padded validation batches: the loss over each batch's valid labels, as one device's
+            assert "val_loss" in refs[key]["metrics"]
+            for result in results:
+                assert abs(result["metrics"]["val_loss"] - refs[key]["metrics"]["val_loss"]) < TOL, config
         print(f"pipeline {config['name']} {config['strategy']['schedule']} {config.get('trainer', '')}: {worst:.1e}")
 
 
@@ -122,8 +134,12 @@ def test_replicas_and_tensor_parallelism_match_one_device_on_padded_batches(
         ):
             continue
         results = [rank[index] for rank in two_processes]
-        worst = assert_matches(config, results, one_device(config))
+        ref = one_device(config)
+        worst = assert_matches(config, results, ref)
         assert not any(warned(result) for result in results), config
+        if config.get("validate"):  # DDP's validation loss over the replicas' rows together, as one device's
+            for result in results:
+                assert abs(result["metrics"]["val_loss"] - ref["metrics"]["val_loss"]) < TOL, config
         print(f"{config['kind']} {config['name']} {config.get('strategy', '')}: {worst:.1e}")
 
 
@@ -188,3 +204,41 @@ def test_data_by_pipeline_parallelism_matches_one_device_on_padded_batches(tmp_p
     results = [rank[1] for rank in ranks]
     print(f"pp2 x tp2 functional, vocabulary-parallel: {assert_matches(three_d, results, ref):.1e}")
     assert all(r["parallel"]["vocab_parallel_loss"] and not r["parallel"]["logits_gathered"] for r in results)
+
+
+@pytest.mark.slow
+def test_replicas_that_disagree_on_the_token_mean_call_end_in_one_line_not_a_hang(tmp_path: Path) -> None:
+    """DDP: rank 1's second step computes its loss by hand while rank 0's calls F.cross_entropy, whose count the
+    replicas total, and then waits in its own collective (sync_dist logging). Rank 0 finds it there through its
+    heartbeat and ends the run with one line naming both ranks, long before the collective timeout (20 s) would."""
+    import time
+
+    from distributed import run_workers
+
+    timeout = 20
+    config = {"name": "branching", "devices": 2, "steps": STEPS, "batch_size": 4, "kind": "ddp"}
+    with pytest.raises(AssertionError, match=r"ranks \[.*\] failed"):
+        run_workers("padded_text", 2, [{**config, "strategy": {"timeout": timeout}}], tmp_path, timeout=120)
+    branched = re.search(r"branch taken at ([0-9.]+)", (tmp_path / "rank1.log").read_text())
+    assert branched is not None
+    seconds = time.time() - float(branched.group(1))
+    line = "Branching.training_step: rank(s) [0] computed step 1's mean over valid targets"
+    logs = "".join((tmp_path / f"rank{rank}.log").read_text() for rank in (0, 1))
+    assert line in logs and "and rank(s) [1] did not (rank 0 waited" in logs, logs[-3000:]
+    assert seconds < timeout, f"the run ended {seconds:.0f} s after the branch (collective timeout {timeout} s)"
+
+
+def test_values_logged_in_a_pipelined_step_other_than_its_loss_are_named_in_one_line() -> None:
+    """A token accuracy logged per micro-batch is replayed as the mean of the micro-batches' values: named once;
+    the returned loss (each micro-batch's share of the batch's mean) and Metrics (their states add up) are not."""
+    from lightning_parallel.strategies.step_logs import LogRecord, averaged_logs_line
+
+    def micro(accuracy: float) -> list[LogRecord]:
+        loss = LogRecord("train_loss", 2.0, {}, is_loss=True)
+        return [loss, LogRecord("train_acc", accuracy, {}), LogRecord("acc_metric", 0.5, {}, metric="accuracy")]
+
+    line = averaged_logs_line("MyModule.training_step", [micro(0.5), micro(0.25)])
+    assert line is not None and "\n" not in line and "HINT: " in line
+    assert line.startswith("MyModule.training_step logs train_acc per micro-batch: each is logged as the mean of its 2")
+    assert averaged_logs_line("M.training_step", [micro(0.5)]) is None  # one micro-batch: the batch's own value
+    assert averaged_logs_line("M.training_step", [micro(0.5)[:1], micro(0.25)[:1]]) is None  # the loss only

@@ -11,6 +11,8 @@ install it).
 from __future__ import annotations
 
 import ast
+import contextlib
+import copy
 import json
 import os
 import re
@@ -19,9 +21,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,9 +34,13 @@ from typing import Any
 import pytest
 import torch
 from distributed import free_port, start_worker
+from torch.distributed import ReduceOp
 
-from lightning_parallel.replica_groups import lighthouse_address, require_torchft
-from lightning_parallel.strategies.fault_tolerant import FaultTolerantStrategy, check_fit
+from lightning_parallel.rendezvous import bound_store, store_beside
+from lightning_parallel.replica_groups import average_gradients_, lighthouse_address, require_torchft
+from lightning_parallel.strategies.fault_tolerant import FaultTolerantStrategy, check_fit, lift_epoch_limit
+from lightning_parallel.strategies.group_sync import EveryStep
+from lightning_parallel.token_mean import TokenMean
 
 GROUPS, BATCH, STEPS = 3, 4, 24
 KILLED = 2
@@ -344,3 +352,200 @@ def test_local_sgd_groups_survive_a_group_lost_inside_a_sync(local_sgd_run: dict
     final = [result["state"] for result in local_sgd_run["results"].values()]
     for state in final[1:]:
         torch.testing.assert_close(state, final[0], rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def lighthouse_of_one() -> Iterator[str]:
+    """A lighthouse that lets one group train alone (min_replicas 1), for two groups of which one restarts."""
+    pytest.importorskip("torchft", reason="torchft is not installed: pip install 'lightning_parallel[ft]'")
+    command = shutil.which("torchft_lighthouse", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    if command is None:
+        pytest.skip("torchft_lighthouse is not installed (it comes with torchft)")
+    port = free_port()
+    args = ["--bind", f"[::]:{port}", "--min_replicas", "1", "--join_timeout_ms", "3000"]
+    args += ["--heartbeat_timeout_ms", "2000", "--quorum_tick_ms", "50"]
+    server = subprocess.Popen([command, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None, "torchft_lighthouse did not start"
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.kill()
+        server.wait()
+
+
+RESTART_STEPS, KILL_STEP, HOLD_STEP = 8, 3, 5
+# A one-block transformer on the copy task; 48 training samples: 3 batches of 4 per rank a group of 2 reads in an
+# epoch (2 groups x 2 ranks), so max_epochs=2 (6 steps) would end a group before max_steps unless it is lifted.
+RESTART_RUN = ["model=transformer", "data=synthetic_tokens", "model.depth=1", "model.width=16", "model.heads=2"]
+RESTART_RUN += ["data.vocab_size=8", "data.seq_len=8", "data.num_samples=54", "data.batch_size=4", "trainer=cpu"]
+RESTART_RUN += ["trainer.devices=2", f"trainer.max_steps={RESTART_STEPS}", "trainer.max_epochs=2", "callbacks=none"]
+RESTART_RUN += ["+trainer.enable_checkpointing=false", "trainer.check_val_every_n_epoch=100", "logger=csv"]
+RESTART_RUN += ["strategy=ft_ddp", "strategy.replica_groups=2", "strategy.replica_timeout=10"]
+RESTART_RUN += ["strategy.quorum_timeout=60", "strategy.timeout.minutes=1"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_two_groups_of_two_processes_survive_a_sigkill_under_torchrun(tmp_path: Path, lighthouse_of_one: str) -> None:
+    """Each group is `torchrun --nproc-per-node=2 train.py strategy=ft_ddp ...` (tests/workers/elastic.py). Rank 1 of
+    group 1 SIGKILLs itself in step 3; torchrun restarts both of group 1's ranks (the same command, the agent's store
+    kept: the Manager's keys live in a store of each attempt's own), which rejoin group 0 mid-run with its weights.
+    Both groups end at max_steps, past their max_epochs, with the same weights on all four ranks."""
+    from test_restarts import ELASTIC, env  # torchrun's launcher with forked workers, and its clean environment
+
+    restarted = tmp_path / "restarted"
+    procs = {}
+    for group, restarts in ((0, 0), (1, 1)):
+        out = tmp_path / f"group{group}"
+        out.mkdir()
+        extra = [f"+callbacks.save={{_target_:replica_restart.SaveWeights,directory:{out}}}"]
+        start = f"{{_target_:replica_restart.StartTogether,directory:{tmp_path},ranks:4,name:group{group}}}"
+        extra += [f"+callbacks.start={start}"]
+        if group == 0:
+            extra += [f"+callbacks.hold={{_target_:replica_restart.HoldAt,step:{HOLD_STEP},file:{restarted}}}"]
+        else:
+            extra += [f"+callbacks.kill={{_target_:failing.FailAt,rank:1,step:{KILL_STEP - 1},mode:kill,attempt:0}}"]
+            extra += [f"+callbacks.announce={{_target_:replica_restart.AnnounceAt,attempt:1,file:{restarted}}}"]
+        command = [*ELASTIC, str(restarts), *RESTART_RUN, f"strategy.replica_group={group}"]
+        command += [f"strategy.lighthouse={lighthouse_of_one}", f"hydra.run.dir={out}", *extra]
+        log = (out / "log.txt").open("w")
+        procs[group] = subprocess.Popen(command, cwd=out, env=env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        for proc in procs.values():
+            proc.wait(timeout=360)
+    finally:
+        for proc in procs.values():
+            subprocess.run(["pkill", "-9", "-s", str(proc.pid)], check=False)  # torchrun's workers share its session
+    for group, proc in procs.items():
+        assert proc.returncode == 0, (tmp_path / f"group{group}" / "log.txt").read_text()[-4000:]
+    log = (tmp_path / "group1" / "log.txt").read_text()
+    assert (tmp_path / "group1" / "failed_at").exists() and restarted.exists()  # the kill came, then the restart
+    results = [torch.load(tmp_path / f"group{g}" / f"rank{r}.pt") for g in (0, 1) for r in (0, 1)]
+    assert [result["step"] for result in results] == [RESTART_STEPS] * 4
+    assert results[0]["epoch"] >= 2  # group 0 trained past its max_epochs to reach max_steps
+    for result in results[1:]:
+        torch.testing.assert_close(result["state"], results[0]["state"], rtol=0, atol=0)
+    assert "max_epochs=2 lifted" in log
+
+
+class Quorum:
+    """`groups` replica groups of one process each, as threads of this one: each holds a `member(g)` with the
+    Manager methods the gradient exchange uses (`allreduce`, `num_participants`), reducing over all the threads."""
+
+    def __init__(self, groups: int) -> None:
+        self.groups, self.sent = groups, [torch.empty(0)] * groups
+        self.barrier = threading.Barrier(groups, timeout=30)
+
+    def member(self, group: int) -> Any:
+        def allreduce(tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG) -> Any:
+            self.sent[group] = tensor.clone()
+            self.barrier.wait()
+            total = torch.stack(self.sent).sum(0)
+            self.barrier.wait()
+            tensor.copy_(total / self.groups if reduce_op == ReduceOp.AVG else total)
+            return SimpleNamespace(wait=lambda: tensor)
+
+        return SimpleNamespace(allreduce=allreduce, num_participants=lambda: self.groups)
+
+
+class Branching(torch.nn.Module):
+    """A token network with a branch taken only by rows that start with token 0 (group 0's batch has one, group 1's
+    none: its `extra` has no gradient) and a layer no row uses (no gradient anywhere)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8)
+        self.extra, self.unused = torch.nn.Linear(4, 8), torch.nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(x)  # (B, T, 4)
+        logits = self.head(hidden)
+        rows = x[:, 0] == 0
+        if rows.any():
+            logits = logits + self.extra(hidden) * rows[:, None, None]
+        return logits
+
+
+def step_on(network: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, divisor: Any = None) -> tuple[float, Any]:
+    """The mean cross-entropy over the valid (not -100) targets, its backward, and an AdamW (weight decay on) to step
+    with afterwards."""
+    optimizer = torch.optim.AdamW(network.parameters(), lr=0.1, weight_decay=0.5)
+    with TokenMean(divisor) if divisor is not None else contextlib.nullcontext():
+        loss = torch.nn.functional.cross_entropy(network(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    return float(loss), optimizer
+
+
+def test_ft_ddp_exchange_is_one_process_on_padded_text_and_leaves_missing_gradients_none() -> None:
+    """ft_ddp's arithmetic with 2 groups simulated as threads: each step's token mean is divided by the valid tokens
+    of both groups' batches (counted through the manager) and the gradients averaged over the groups; a gradient no
+    group has stays None. Equals one process on both batches together, AdamW with weight decay (1e-6)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randint(1, 8, (8, 6), generator=generator)
+    x[1, 0] = 0  # group 0's batch (rows 0-3) takes the branch; group 1's (rows 4-7) does not
+    y = torch.randint(0, 8, (8, 6), generator=generator)
+    for row, valid in enumerate([6, 1, 2, 3, 6, 6, 5, 6]):  # group 0: 12 valid targets, group 1: 23
+        y[row, valid:] = -100
+    torch.manual_seed(0)
+    reference = Branching()
+    groups = [copy.deepcopy(reference) for _ in range(2)]
+    loss, optimizer = step_on(reference, x, y)
+    optimizer.step()
+    quorum, losses, errors = Quorum(2), [0.0, 0.0], []
+
+    def group(g: int) -> None:
+        try:
+            agreement = EveryStep(quorum.member(g))
+            rows = slice(4 * g, 4 * g + 4)
+            losses[g], inner = step_on(groups[g], x[rows], y[rows], agreement.token_divisor(1))
+            average_gradients_(agreement.manager, list(groups[g].parameters()))
+            inner.step()
+        except BaseException as error:  # noqa: BLE001 - reported by the test below
+            errors.append(error)
+
+    threads = [threading.Thread(target=group, args=(g,)) for g in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert groups[0].extra.weight.grad is not None and groups[1].extra.weight.grad is not None
+    assert groups[0].unused.weight.grad is None and groups[1].unused.weight.grad is None
+    assert abs(sum(losses) / 2 - loss) < 1e-6, (losses, loss)
+    for network in groups:
+        for (name, p), q in zip(network.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
+
+
+def test_an_epoch_limit_is_lifted_in_one_line() -> None:
+    """Groups end at max_steps: a finite max_epochs is lifted (a rejoined group would end at an epoch of its own)."""
+    trainer = SimpleNamespace(fit_loop=SimpleNamespace(max_epochs=15), max_steps=400)
+    with pytest.warns(UserWarning, match=r"trainer\.max_epochs=15 lifted; .* at trainer\.max_steps=400") as caught:
+        lift_epoch_limit(FaultTolerantStrategy(**BASE), trainer)  # type: ignore[arg-type]
+    assert trainer.fit_loop.max_epochs == -1 and "\n" not in str(caught[0].message)
+    lift_epoch_limit(FaultTolerantStrategy(**BASE), trainer)  # type: ignore[arg-type]  # nothing left to lift, no line
+
+
+def test_the_managers_store_is_new_for_each_use() -> None:
+    """The Manager's keys go to a store beside this attempt's, one per use, so a restarted rank never reads the
+    address of a Manager of an earlier attempt (torchrun's own store keeps keys across restarts)."""
+    timeout = timedelta(seconds=10)
+    main = bound_store("127.0.0.1", 0, rank=0, world_size=2, timeout=timeout)
+    other = torch.distributed.TCPStore("127.0.0.1", main.port, 2, is_master=False, timeout=timeout)
+    places = []
+    for use in range(2):
+        key = f"manager/{use}"
+        here = store_beside(main, "127.0.0.1", key=key, rank=0, world_size=2, timeout=timeout)
+        assert store_beside(other, "127.0.0.1", key=key, rank=1, world_size=2, timeout=timeout) == here
+        client = torch.distributed.TCPStore(*here, 2, is_master=False, timeout=timeout)
+        assert not client.check(["manager_addr"])  # empty: nothing of an earlier Manager
+        client.set("manager_addr", f"use {use}")
+        places.append(here)
+    assert places[0] != places[1] and main.port not in {port for _, port in places}

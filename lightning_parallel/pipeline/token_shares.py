@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 from lightning_parallel.pipeline.runtime import placeholder_loss
 from lightning_parallel.token_mean import TokenMean, inexact_warning, summed
@@ -144,3 +145,31 @@ class TokenShares:
         if self.replicas > 1:
             averaged += f", then of {self.replicas} replicas'"
         return inexact_warning(where, loss, averaged=averaged)
+
+
+def whole_batch_model_loss(output: Any, merged: list[torch.Tensor], per_row: torch.Tensor) -> bool:
+    """Evaluation: set `output["loss"]` (a model's own mean over its labels, which a forward-only schedule computes per
+    micro-batch and merges as `merged[i]`, shape (micro-batches,)) to one device's mean over the whole batch's valid
+    labels, `per_row` of them per row, each micro-batch weighted by its count (rows split as torch's schedules split
+    them, `tensor_split`). Returns False when the output has no such loss to weight."""
+    if not isinstance(output, MutableMapping) or output.get("loss") is None:
+        return False
+    paths = [path for path, _ in pytree.tree_flatten_with_path(output)[0]]
+    key: tuple[Any, ...] = (pytree.MappingKey("loss"),)
+    if key not in paths or len(paths) != len(merged) or merged[paths.index(key)].dim() != 1:
+        return False
+    per_micro = merged[paths.index(key)].float()  # (micro-batches,)
+    counts = torch.stack([part.sum() for part in torch.tensor_split(per_row, per_micro.numel())])
+    counts = counts.to(per_micro)
+    if float(counts.sum()) > 0:  # a micro-batch without labels has a mean of 0/0: it weighs nothing
+        output["loss"] = torch.where(counts > 0, per_micro * counts, 0).sum() / counts.sum()
+    return True
+
+
+def unweighted_eval_loss(named: str) -> str:
+    """The one line for a model's own loss in evaluation whose count of items is not known (`model_label_counts`)."""
+    return (
+        f"{named} from labels (out.loss) in evaluation is the mean of the micro-batches' own means (its count of "
+        "items is not known here): one device's only when each micro-batch holds as many valid labels. HINT: compute "
+        "the loss in validation_step from out.logits with F.cross_entropy(..., ignore_index=-100), on the whole batch"
+    )

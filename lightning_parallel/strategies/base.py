@@ -13,7 +13,7 @@ import time
 from abc import abstractmethod
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -26,11 +26,13 @@ from lightning_parallel.parallelize import SetUp
 from lightning_parallel.parallelize.checkpointing import ACTIVATION_CHECKPOINTING, refuse_unrepeatable
 from lightning_parallel.parameter_kinds import refuse_unsteppable, then_by_kind
 from lightning_parallel.precision import clip_grad_norm_global
+from lightning_parallel.replica_calls import ReplicaCalls
 from lightning_parallel.seams import changed, fused_steps_on_dtensor
 from lightning_parallel.strategies.arguments import check_choice, reject
 from lightning_parallel.strategies.mesh_precision import mesh_precision
 from lightning_parallel.strategies.mesh_processes import DEFAULT_TIMEOUT
 from lightning_parallel.strategies.module_access import ModuleAccess
+from lightning_parallel.strategies.process_group import replica_calls
 from lightning_parallel.strategies.sharded_checkpoints import OPTIMIZER_OPTIONS, ShardedCheckpoints
 from lightning_parallel.token_mean import step_over_replicas
 
@@ -73,6 +75,7 @@ class MeshStrategy(ModuleAccess, ShardedCheckpoints):
         # The most parameter bytes this rank held while materialising (and sharding) its part; set in `setup`.
         self.setup_peak_parameter_bytes = 0
         self._warned_inexact = False  # the one line for a loss that cannot be one device's, at its first step
+        self._token_calls: ReplicaCalls | Literal[False] | None = None  # every replica makes the step's token mean
 
     # ---- one set-up order; subclasses fill in how the network is split or sharded -------------------
     @override
@@ -134,7 +137,10 @@ class MeshStrategy(ModuleAccess, ShardedCheckpoints):
             return self.lightning_step(*args, **kwargs)
         where = f"{type(self.module).__name__}.training_step"
         step = lambda: self.lightning_step(*args, **kwargs)  # noqa: E731
-        result, inexact = step_over_replicas(step, group=self.group("dp"), replicas=replicas, where=where)
+        if self._token_calls is None:
+            self._token_calls = replica_calls(self.group("dp")) or False
+        calls = self._token_calls or None
+        result, inexact = step_over_replicas(step, group=self.group("dp"), replicas=replicas, where=where, calls=calls)
         if inexact is not None and not self._warned_inexact:
             rank_zero_warn(inexact)
             self._warned_inexact = True

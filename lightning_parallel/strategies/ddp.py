@@ -1,23 +1,24 @@
 """Lightning's own DDP, with the mesh strategies' checks on the other processes: an impossible node count is
 refused before launch, and when a run fails the rank that died first is named in one line and no launched rank
 is left running (Lightning stops its children only on Ctrl+C). A mean over valid tokens is the whole batch's, not
-each replica's own (`token_mean.py`)."""
+each replica's own (`token_mean.py`), in training, validation and test steps."""
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_parallel.replica_calls import ReplicaCalls
 from lightning_parallel.seams import finish_restored_epoch
 from lightning_parallel.strategies.arguments import check_timeout
 from lightning_parallel.strategies.module_access import ModuleAccess
 from lightning_parallel.strategies.peers import PeerFailure, check_nodes, stop_peers
-from lightning_parallel.strategies.process_group import name_the_hang, start_process_group
+from lightning_parallel.strategies.process_group import name_the_hang, replica_calls, start_process_group
 from lightning_parallel.token_mean import step_over_replicas
 
 DEFAULT_TIMEOUT = default_pg_timeout  # Lightning's own default
@@ -32,6 +33,8 @@ class DDPStrategy(ModuleAccess, LightningDDPStrategy):
     # over valid tokens; strategies whose replicas step alone (local SGD, DiLoCo, async SGD) keep their own means.
     token_mean_over_replicas: ClassVar[bool] = True
     _warned_inexact = False
+    _token_calls: ReplicaCalls | Literal[False] | None = None  # every replica makes the step's token mean (False: none)
+    _evaluation_calls: ReplicaCalls | Literal[False] | None = None  # the same for evaluation steps
 
     def __init__(self, *, timeout: float | timedelta | None = DEFAULT_TIMEOUT, **kwargs: Any) -> None:
         if timeout is not None:
@@ -50,11 +53,34 @@ class DDPStrategy(ModuleAccess, LightningDDPStrategy):
             return super().training_step(*args, **kwargs)
         where = f"{type(self.module).__name__}.training_step"
         step = lambda: super(DDPStrategy, self).training_step(*args, **kwargs)  # noqa: E731
-        result, inexact = step_over_replicas(step, group=None, replicas=self.world_size, where=where)
+        if self._token_calls is None:
+            self._token_calls = replica_calls(None) or False
+        calls = self._token_calls or None
+        result, inexact = step_over_replicas(step, group=None, replicas=self.world_size, where=where, calls=calls)
         if inexact is not None and not self._warned_inexact:
             rank_zero_warn(inexact)
             self._warned_inexact = True
         return result
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().validation_step, "validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().test_step, "test_step", *args, **kwargs)
+
+    def _evaluation_step(self, step: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+        """An evaluation step's mean over valid tokens as a share of the whole batch's (every replica's rows), like
+        the training step's, so its mean over the replicas (`sync_dist=True`) is one device's loss on that batch."""
+        if self.world_size == 1 or not self.token_mean_over_replicas:
+            return step(*args, **kwargs)
+        if self._evaluation_calls is None:
+            self._evaluation_calls = replica_calls(None) or False
+        where, calls = f"{type(self.module).__name__}.{name}", self._evaluation_calls or None
+        return step_over_replicas(
+            lambda: step(*args, **kwargs), group=None, replicas=self.world_size, where=where, calls=calls
+        )[0]
 
     @override
     def configure_ddp(self) -> None:

@@ -8,6 +8,7 @@ loop). The torch side is `lightning_parallel/replica_groups.py`, the kinds of ag
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import asdict
@@ -21,13 +22,17 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_parallel.rendezvous import store_beside
 from lightning_parallel.replica_groups import GroupSpec, join, lighthouse_address, require_torchft
 from lightning_parallel.strategies.arguments import check_choice, check_int, check_name, reject
 from lightning_parallel.strategies.ddp import DDPStrategy
 from lightning_parallel.strategies.diloco import DEFAULT_OUTER, check_outer_optimizer
 from lightning_parallel.strategies.group_sync import EveryStep, Periodic, StepLedger
+from lightning_parallel.strategies.process_group import JOIN_TIMEOUT, group_store
+from lightning_parallel.token_mean import TokenMean, inexact_warning
 
 SYNCS = ("ddp", "local_sgd", "diloco")
+_managers = itertools.count()  # Managers this process made: every rank of a group counts the same
 
 
 class FaultTolerantStrategy(DDPStrategy):
@@ -125,6 +130,7 @@ class FaultTolerantStrategy(DDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         check_fit(self, trainer, per_step=self.sync == "ddp")
+        lift_epoch_limit(self, trainer)
         spec = GroupSpec(
             replica_group=self.replica_group,
             min_replicas=self.min_replicas,
@@ -132,13 +138,11 @@ class FaultTolerantStrategy(DDPStrategy):
             timeout=timedelta(seconds=self.replica_timeout),
             quorum_timeout=timedelta(seconds=self.quorum_timeout),
         )
-        environment = self.cluster_environment
-        assert environment is not None
         self._manager = join(
             spec,
             rank=self.global_rank,
             world_size=self.world_size,
-            store=(environment.main_address, environment.main_port),
+            store=self._manager_store(),
             device=self.root_device,
             state=self._live_state,
             load_state=self._load_live_state,
@@ -154,6 +158,39 @@ class FaultTolerantStrategy(DDPStrategy):
                 period=self.period or 1,
                 outer_optimizer=self.outer_optimizer,
             )
+
+    def _manager_store(self) -> tuple[str, int]:
+        """Where the Manager keeps its keys (its server's address, read by the group's other ranks): a store of this
+        attempt's own. MASTER_PORT is torchrun's agent store under torchrun, whose keys outlive a restart: a restarted
+        rank could read the dead attempt's address there before its rank 0 wrote the new one."""
+        environment = self.cluster_environment
+        assert environment is not None
+        store = group_store()
+        if store is None:  # a process group this package did not start (the user's own): its main port, as torchft's
+            return environment.main_address, environment.main_port
+        key = f"lightning_parallel/torchft_store/{next(_managers)}"
+        return store_beside(
+            store, environment.main_address, key=key, rank=self.global_rank, world_size=self.world_size,
+            timeout=JOIN_TIMEOUT,
+        )  # fmt: skip
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """sync="ddp": the step's mean over valid tokens is made a share of the whole quorum's (the valid tokens of
+        every group's batch, counted through the manager), so the averaged gradients are one process's on all the
+        groups' batches together. Otherwise (local SGD, DiLoCo, not fitting) the group's own, as DDP's."""
+        if not isinstance(self._agreement, EveryStep):
+            return super().training_step(*args, **kwargs)
+        step = lambda: super(DDPStrategy, self).training_step(*args, **kwargs)  # noqa: E731
+        with TokenMean(self._agreement.token_divisor(self.world_size)) as mode:
+            result = step()
+        loss = mode.inexact()
+        if loss is not None and not self._warned_inexact:
+            where = f"{type(self.module).__name__}.training_step"
+            averaged = f"the mean over the quorum's groups of {self.world_size} replicas' losses each"
+            rank_zero_warn(inexact_warning(where, loss, averaged=averaged))
+            self._warned_inexact = True
+        return result
 
     @override
     def on_train_start(self) -> None:
@@ -213,6 +250,21 @@ def count_steps(trainer: pl.Trainer, applied: int) -> None:
     right after `optimizer_step` returns): max_steps, checkpoints every n steps and the logs count steps in effect."""
     progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
     progress.ready, progress.completed = applied, applied - 1
+
+
+def lift_epoch_limit(owner: object, trainer: pl.Trainer) -> None:
+    """Groups end together at max_steps only: a rejoining group takes the others' step count but starts its epochs
+    afresh, and a refused step uses a batch without counting, so an epoch limit ends each group at a step of its own
+    (a group that rejoined then trains on alone). A finite max_epochs is lifted, in one line."""
+    loop = trainer.fit_loop
+    if loop.max_epochs is None or loop.max_epochs < 0:
+        return
+    rank_zero_warn(
+        f"{type(owner).__name__}: trainer.max_epochs={loop.max_epochs} lifted; replica groups end together at "
+        f"trainer.max_steps={trainer.max_steps} (a rejoining group takes the others' step count, not their epoch). "
+        "HINT: trainer.max_epochs=-1 says the same without this line"
+    )
+    loop.max_epochs = -1
 
 
 def check_groups(owner: object, replica_group: Any, replica_groups: Any, min_replicas: Any) -> None:

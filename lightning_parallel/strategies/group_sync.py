@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
+from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 
 from lightning_parallel.replica_groups import average_gradients_, require_torchft
+from lightning_parallel.token_mean import Divisor, summed
 
 
 @dataclass
@@ -54,6 +56,19 @@ class EveryStep:
             self.manager.start_quorum()
             ledger.saw_quorum(self.manager.num_participants())
             self._quorum_open = True
+
+    def token_divisor(self, world_size: int) -> Divisor:
+        """What one rank's sum over valid tokens is divided by (`token_mean.TokenMean`) so that the gradients, averaged
+        over the group's `world_size` ranks and then over the quorum's groups, are the mean over the valid tokens of
+        every group's batch: the count summed over the group, then over the quorum through the manager (a collective
+        that fails leaves a wrong divisor on a step the commit vote then refuses)."""
+
+        def divisor(count: Tensor) -> Tensor:
+            total = summed(count, None) if world_size > 1 else count.clone()
+            self.manager.allreduce(total, reduce_op=ReduceOp.SUM).wait()
+            return total / (world_size * max(self.manager.num_participants(), 1))
+
+        return divisor
 
     def around_closure(
         self, closure: Callable[[], Any], optimizer: Optimizer, parameters: Sequence[Tensor]

@@ -24,14 +24,14 @@ from lightning_parallel.pipeline.runtime import PipelineRuntime, put_gradients, 
 from lightning_parallel.pipeline.schedule_plan import analytic_bubble
 from lightning_parallel.pipeline.split import TracedSplit
 from lightning_parallel.pipeline.tied import counted_elsewhere, sum_tied_gradients
-from lightning_parallel.pipeline.token_shares import TokenShares
+from lightning_parallel.pipeline.token_shares import TokenShares, unweighted_eval_loss, whole_batch_model_loss
 from lightning_parallel.replicas import average_
 from lightning_parallel.strategies.pipeline_split import PipelineSplit
+from lightning_parallel.strategies.step_logs import averaged_logs_line, replay_logs
 from lightning_parallel.strategies.user_step import (
     MicroSteps,
     StepRefused,
     capture_network_inputs,
-    replay_logs,
     swap_attribute,
 )
 from lightning_parallel.tensor.plans import keep_gradients_sharded
@@ -51,6 +51,8 @@ class PipelinedStep(PipelineSplit):
     _fresh_grads: list[torch.Tensor | None] | None
     _local_params: list[nn.Parameter] | None
     _logit_counts: Counts
+    _warned_eval_loss = False
+    _warned_logs = False
 
     @override
     def on_device(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -150,6 +152,10 @@ class PipelinedStep(PipelineSplit):
         if step_report.inexact is not None and not self._warned_inexact:
             rank_zero_warn(step_report.inexact)
             self._warned_inexact = True
+        averaged = averaged_logs_line(f"{type(module).__name__}.training_step", step_report.records)
+        if averaged is not None and not self._warned_logs:
+            rank_zero_warn(averaged)
+            self._warned_logs = True
         replay_logs(module, step_report.records, holds_metrics=self.runtime.has_last)
         return torch.tensor(value, dtype=torch.float32, device=self.root_device)
 
@@ -186,10 +192,13 @@ class PipelinedStep(PipelineSplit):
             )
         return inputs
 
-    def _label_counts(self, network: nn.Module, inputs: tuple[Any, ...]) -> tuple[str, torch.Tensor | None] | None:
-        """A transformers model computing its loss from `labels`: the valid labels per row it averages."""
-        if not self.runtime.has_last or self._call is None or "labels" not in self._call.keywords:
-            return None  # only the last stage computes the loss
+    def _label_counts(
+        self, network: nn.Module, inputs: tuple[Any, ...], *, evaluating: bool = False
+    ) -> tuple[str, torch.Tensor | None] | None:
+        """A transformers model computing its loss from `labels`: the valid labels per row it averages (in training
+        on the last stage only, which computes the loss; in evaluation on every rank, which all rebuild the output)."""
+        if not (self.runtime.has_last or evaluating) or self._call is None or "labels" not in self._call.keywords:
+            return None
         keywords = self._call.bind(inputs)[1]
         ignore_index = dict(self._call.constants).get("ignore_index", -100)
         return model_label_counts(network, keywords, int(ignore_index))  # type: ignore[arg-type]
@@ -221,7 +230,8 @@ class PipelinedStep(PipelineSplit):
         """The network call of an evaluation step: a forward-only schedule, its output's tensors broadcast from the
         last stage and rebuilt into the network's own output (a tensor, tuple, dict or ModelOutput) on every rank."""
         network = self.network_of(self.module)
-        output = self.runtime.forward(self._network_inputs(network, (args, kwargs)))
+        inputs = self._network_inputs(network, (args, kwargs))
+        output = self.runtime.forward(inputs)
         leaves: list[torch.Tensor] = [] if output is None else list(output) if isinstance(output, tuple) else [output]
         meta = [(isinstance(output, tuple), [(t.shape, t.dtype) for t in leaves])] if output is not None else [None]
         dist.broadcast_object_list(meta, src=self._last_stage_rank(), group=self.group("pp"))
@@ -232,7 +242,14 @@ class PipelinedStep(PipelineSplit):
             for i, (shape, dtype) in enumerate(shapes)
         ]
         assert self._split is not None
-        return self._split.output(tuple(tensors) if several else tensors[0])
+        rebuilt = self._split.output(tuple(tensors) if several else tensors[0])
+        counts = self._label_counts(network, inputs, evaluating=True)
+        if counts is not None and counts[1] is not None:
+            whole_batch_model_loss(rebuilt, tensors, counts[1])
+        elif counts is not None and not self._warned_eval_loss:
+            rank_zero_warn(unweighted_eval_loss(counts[0]))
+            self._warned_eval_loss = True
+        return rebuilt
 
     def _from_last_stage(self, tensor: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """Broadcast a tensor from the rank holding the last stage to every rank of the pipeline."""

@@ -20,6 +20,7 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized, 
 
 from lightning_parallel.heartbeat import Hang, Heartbeat, interval_for, read_hang
 from lightning_parallel.rendezvous import store_for
+from lightning_parallel.replica_calls import ReplicaCalls
 
 # How long the store waits for the other processes to start (importing torch and Lightning can take 10 s on a loaded
 # machine, a restarted torchrun attempt longer); a short collective `timeout` is for hung collectives, not slow starts.
@@ -37,6 +38,7 @@ class RunningGroup:
 
 
 _running: RunningGroup | None = None  # one per process: the default group is process-wide
+_store: dist.Store | None = None  # the default group's rendezvous store (every world size)
 
 
 def start_process_group(
@@ -44,15 +46,32 @@ def start_process_group(
 ) -> None:
     """Rendezvous and start the default process group with `timeout` for collectives, unless one exists (a later
     fit in the same processes reuses it, its store and heartbeat)."""
-    global _running
+    global _running, _store
     if _distributed_is_initialized():
         return
     address, port = environment.main_address, environment.main_port
     store = store_for(address, port, rank=rank, world_size=world_size, timeout=max(timeout, JOIN_TIMEOUT))
     _init_dist_connection(environment, backend, timeout=timeout, store=store, **kwargs)
+    _store = store
     if world_size > 1:
         heartbeat = Heartbeat(store, rank=rank, interval=interval_for(timeout)).start()
         _running = RunningGroup(store, heartbeat, world_size, timeout)
+
+
+def group_store() -> dist.Store | None:
+    """The store this attempt's default group rendezvoused on (new with each attempt), or None when the group was
+    not started by `start_process_group`."""
+    return _store
+
+
+def replica_calls(group: dist.ProcessGroup | None) -> ReplicaCalls | None:
+    """The agreement on each step's token-mean call over `group` (`replica_calls.py`), through this attempt's store
+    and with its timeout; None when this package did not start the process group (or it is one process)."""
+    running = _running
+    if running is None:
+        return None
+    poll = min(running.heartbeat.interval, 1.0)
+    return ReplicaCalls(group, store=running.store, timeout=running.timeout.total_seconds(), poll=poll)
 
 
 def timed_out(error: BaseException) -> bool:

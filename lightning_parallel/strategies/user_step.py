@@ -2,12 +2,11 @@
 
 It runs twice over: once on every rank up to its network call (to learn the network's inputs), then on the
 last stage once per micro-batch, with that micro-batch's stage output in place of the network call, as the
-schedule's loss. `self.log` calls are recorded there and replayed on every rank after the schedule, so
-`sync_dist=True` collectives line up (running them inside the schedule deadlocks). Each micro-batch's loss is made
+schedule's loss. `self.log` calls are recorded there (`step_logs.py` replays them on every rank after the schedule,
+so `sync_dist=True` collectives line up: running them inside the schedule deadlocks). Each micro-batch's loss is made
 a share of the whole batch's mean over valid tokens (`token_mean.py`), counted at the step's first loss by running
 it once more per micro-batch up to its loss call. Knows nothing about schedules or ranks: the strategy runs the
-schedule and moves the records between ranks. Over 300 lines: the counting pass substitutes the network and mutes
-logs as the loss does.
+schedule and moves the records between ranks.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import inspect
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -26,6 +25,7 @@ from torchmetrics import Metric
 
 from lightning_parallel.pipeline.runtime import placeholder_loss
 from lightning_parallel.pipeline.token_shares import TokenShares
+from lightning_parallel.strategies.step_logs import LogRecord, plain
 from lightning_parallel.token_mean import Counted, TokenMean
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
@@ -85,17 +85,6 @@ def _ignore(*args: Any, **kwargs: Any) -> None:
 
 def _zero(*args: Any, **kwargs: Any) -> torch.Tensor:
     return torch.zeros(())
-
-
-@dataclass
-class LogRecord:
-    """One `self.log` call made during a micro-batch: a plain value, or the path of a torchmetrics Metric
-    and the micro-batch value it computed."""
-
-    name: str
-    value: float | torch.Tensor | None
-    kwargs: dict[str, Any]
-    metric: str | None = None
 
 
 @dataclass
@@ -167,6 +156,8 @@ class MicroSteps:
             ):
                 result = self.run_step(micro_batch)
             loss = _loss_of(result)
+            for record in records:
+                record.is_loss = isinstance(record.value, float) and record.value == float(loss.detach())
         except StepRefused as refused:
             self.report.error = str(refused)
             return placeholder_loss(output)
@@ -211,39 +202,11 @@ class MicroSteps:
                         f"self.log({name!r}, <metric>) logs a torchmetrics Metric that is not an attribute of "
                         f"{type(self.module).__name__}. HINT: create it in __init__ (self.train_acc = Accuracy(...))"
                     )
-                records.append(LogRecord(name, _plain(value._forward_cache), bound, metric=path))
+                records.append(LogRecord(name, plain(value._forward_cache), bound, metric=path))
             else:
-                records.append(LogRecord(name, _plain(value), bound))
+                records.append(LogRecord(name, plain(value), bound))
 
         return record
-
-
-def replay_logs(module: pl.LightningModule, records: list[list[LogRecord]], *, holds_metrics: bool) -> None:
-    """Log, on this rank, what the user's step logged: each name once, its mean over the micro-batches.
-
-    Micro-batches are equal in size and a mean over valid tokens is each one's share of the batch's (`token_shares`),
-    so the mean over the micro-batches is the batch's value. A torchmetrics
-    Metric was updated only on the last stage (`holds_metrics`); elsewhere it is marked as updated with
-    nothing added, so the epoch-end `compute()` joins the same all-gather and sums the last stages' states.
-    """
-    by_name: dict[str, list[LogRecord]] = {}
-    for micro in records:
-        for record in micro:
-            by_name.setdefault(record.name, []).append(record)
-    for name, seen in by_name.items():
-        kwargs = dict(seen[0].kwargs)
-        if kwargs.get("batch_size") is not None:
-            kwargs["batch_size"] = sum(int(r.kwargs["batch_size"]) for r in seen)
-        value = _mean([r.value for r in seen])
-        if seen[0].metric is None:
-            module.log(name, value, **kwargs)
-            continue
-        metric = cast(Metric, module.get_submodule(seen[0].metric))
-        if not holds_metrics:
-            metric._update_count += 1  # torchmetrics: compute() warns and skips its sync without an update
-            metric._computed = None  # a cached value would skip the all-gather the other ranks join
-        metric._forward_cache = value  # what on_step logging shows: the batch's value
-        module.log(name, metric, **kwargs)
 
 
 def slice_batch(batch: Any, start: int, stop: int, rows: int) -> Any:
@@ -312,19 +275,3 @@ class _ParameterGuard(TorchFunctionMode):
                         "count one stage only. HINT: use the optimizer's weight_decay, or strategy='ddp'/'tensor'"
                     )
         return func(*args, **(kwargs or {}))
-
-
-def _plain(value: Any) -> float | torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        value = value.detach().float().cpu()
-        return float(value) if value.numel() == 1 else value
-    return None if value is None else float(value)
-
-
-def _mean(values: list[Any]) -> Any:
-    present = [v for v in values if v is not None]
-    if not present:
-        return None
-    if all(isinstance(v, float) for v in present):
-        return torch.tensor(sum(present) / len(present))
-    return torch.stack([torch.as_tensor(v) for v in present]).mean(0)

@@ -1,7 +1,7 @@
 """Worker: fit the padded-text modules (tests/padded_modules.py) once per config ({"name", "devices", "steps",
-"batch_size" (per replica), "kind": "pipeline" (default), "ddp" or "tensor", "strategy": constructor kwargs,
-"trainer": Trainer kwargs}); save each fit's losses, logged metrics, local weights and the warnings raised on the
-rank."""
+"batch_size" (per replica), "validate"?, "kind": "pipeline" (default), "ddp" or "tensor", "strategy": constructor
+kwargs, "trainer": Trainer kwargs}); save each fit's losses, logged metrics, local weights and the warnings raised on
+the rank."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ configs, out = payload()
 results = []
 for config in configs:
     strategy = KINDS[config.get("kind", "pipeline")](**config.get("strategy", {}))
-    run = {key: config[key] for key in ("devices", "steps", "batch_size") if key in config}
+    run = {key: config[key] for key in ("devices", "steps", "batch_size", "validate") if key in config}
     result = fit(config["name"], strategy=strategy, **run, **config.get("trainer", {}))
     tensor = config.get("strategy", {}).get("tensor_parallel_size", 1) > 1
     result["parallel"] = strategy.describe() if tensor else None

@@ -1,7 +1,8 @@
 """Worker: one replica group (one process) of a fault-tolerant run over torchft, or the single-process reference.
 
-Each step is appended to `steps.jsonl` as it ends (wall time, the group's step ledger, groups in the quorum, a
-parameter checksum, the loss), so the test watches the run while it lives. At the end `result.pt` holds the weights.
+Training targets are padded (-100 past each row's own length). Each step is appended to `steps.jsonl` as it ends
+(wall time, the group's step ledger, groups in the quorum, a parameter checksum, the loss), so the test watches the
+run while it lives. At the end `result.pt` holds the weights.
 
 Payload (`payload.json`): {"steps", "batch" (per group), "lighthouse", "replica_group", "replica_groups", "sync",
 "period"?, "kill_at"? (this process SIGKILLs itself in that step: after its backward, before the exchange with
@@ -63,6 +64,13 @@ class StepLog(pl.Callback):
                 return allreduce(*args, **kwargs)
 
             strategy.manager.allreduce = dying_allreduce
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        """Padded text: each row's targets past its own length (1 + its tokens' sum mod the row length) are -100, so
+        the groups' batches hold different numbers of valid tokens."""
+        inputs, targets = batch
+        lengths = 1 + inputs.sum(1) % inputs.shape[1]  # (B,)
+        targets.masked_fill_(torch.arange(targets.shape[1]) >= lengths[:, None], -100)
 
     def maybe_die(self, strategy: Any) -> None:
         if strategy.ledger.applied + 1 == self.config.get("kill_at"):
