@@ -118,11 +118,16 @@ class DryRun:
             blocks = f"{row.blocks[0]}..{row.blocks[-1]} ({len(row.blocks)})" if row.blocks else "-"
             miss = f"{row.miss:+.1%}" if row.miss is not None else "-"
             lines.append(
-                f"{row.role:<10} {row.ranks:>5} {blocks:<22} {len(row.sharded):>7} | " + " | ".join(cells) + f" | {miss}"
+                f"{row.role:<10} {row.ranks:>5} {blocks:<22} {len(row.sharded):>7} | "
+                + " | ".join(cells)
+                + f" | {miss}"
             )
         lines.append("each cell: measured / predicted; total = the step's peak of live tensors")
         if self.limit is not None:
-            lines.append(f"device memory {human_bytes(self.limit)}: " + ("every role fits" if not self.refusal else "does not fit"))
+            lines.append(
+                f"device memory {human_bytes(self.limit)}: "
+                + ("every role fits" if not self.refusal else "does not fit")
+            )
         return "\n".join(lines)
 
 

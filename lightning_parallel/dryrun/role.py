@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +58,9 @@ def measure_role(
     started = time.perf_counter()
     dims = strategy.dims
     module = copy.deepcopy(module)
-    with fake_rank(role.rank, dims.world_size):
+    with fake_rank(role.rank, dims.world_size), warnings.catch_warnings():
+        # FSDP2's view-output and MemTracker's hook warnings, once per block and role, say nothing about the layout
+        warnings.simplefilter("ignore", UserWarning)
         strategy._mesh = dims.build_mesh("cpu")
         return _set_up_and_step(module, strategy, role, batch, boundaries, started)
 
@@ -84,7 +87,7 @@ def _set_up_and_step(
         else:
             raise ValueError(f"the dry run sets up the mesh strategies, got {type(strategy).__name__}")
         params = sum(_bytes(p) for p in module.parameters())
-        if dims.pp > 1:
+        if isinstance(strategy, PipelineParallelStrategy) and dims.pp > 1:
             assert done.stages is not None and boundaries is not None
             run = scheduled_step(
                 module,
@@ -92,10 +95,10 @@ def _set_up_and_step(
                 batch,
                 split=done.stages.split,
                 partition=done.stages.partition,
-                spec=strategy.spec,  # type: ignore[attr-defined]
+                spec=strategy.spec,
                 pp=dims.pp,
                 pp_rank=role.pp_rank,
-                microbatches=strategy.microbatches_for(dims.pp),  # type: ignore[attr-defined]
+                microbatches=strategy.microbatches_for(dims.pp),
                 boundaries=boundaries,
             )
         else:
@@ -128,7 +131,9 @@ def stage_boundaries(
     rows = example[0].shape[0]
     micro = tuple(t[: rows // microbatches] if torch.is_tensor(t) and t.dim() else t for t in example)
     split = network_split(network, micro, call)
-    partition, _ = partition_stages(split, spec=strategy.spec, pp=strategy.dims.pp, balance=strategy.balance, block_costs=None)
+    partition, _ = partition_stages(
+        split, spec=strategy.spec, pp=strategy.dims.pp, balance=strategy.balance, block_costs=None
+    )
     bounds = boundaries_of(split, partition, micro, strategy.dims.pp)
     per_rank = [[b for s in partition.stages_of(r) for b in partition.stages[s]] for r in range(strategy.dims.pp)]
     return bounds, per_rank
