@@ -145,7 +145,7 @@ def materialize_in_parts(
         with _initialising_only(fresh) as only:
             _initialise(network)
         if index == 0 and not only.called:  # not name-keyed: nothing is sharded yet, so fall back to whole
-            network.to_empty(device=device)
+            _give_storage(network, device)  # the rest (the first part has its storage; re-allocating it gains nothing)
             _initialise(network)
             peak = parameter_bytes(network)
             for each in parts:

@@ -112,3 +112,22 @@ def test_train_py_dry_run_writes_its_rows_and_refuses_what_does_not_fit(tmp_path
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["strategy"].endswith("(dry run)") and len(summary["peak_memory_bytes"]) == 2
     assert "dry run: PipelineParallelStrategy dp4 x pp2 x tp2 on 16 ranks" in result.stderr
+
+
+def test_transformers_llama_from_a_config_without_weights() -> None:
+    """A tiny LlamaForCausalLM built on meta, its own tensor plan at tp2 x dp8 (16 ranks): every parameter but the
+    norms split over tp, then all over dp by FSDP2; a traced pipeline is refused in one line (not yet supported)."""
+    from tests.hf_modules import HFLlama
+
+    with torch.device("meta"):
+        module = HFLlama()
+    batch = {"input_ids": torch.randint(0, 64, (8, 16))}
+    result = lp.dry_run(module, lp.TensorParallelStrategy(tensor_parallel_size=2, data_parallel_size=8), devices=16,
+                        batch=batch)  # fmt: skip
+    (row,) = result.rows
+    norms = sum(p.numel() for n, p in module.named_parameters() if "norm" in n)
+    others = sum(p.numel() for n, p in module.named_parameters() if "norm" not in n)
+    assert row.measured["params"] == (others // 2 + norms) // 8 * 4
+    assert row.ranks == 16 and row.predicted is None and "self_attn" in " ".join(row.sharded)
+    with pytest.raises(ValueError, match=r"split by tracing.*HINT: dry-run it with pipeline_parallel_size=1"):
+        lp.dry_run(module, lp.PipelineParallelStrategy(pipeline_parallel_size=2), devices=2, batch=batch)

@@ -120,6 +120,12 @@ def stage_boundaries(
 
     module = copy.deepcopy(module)
     network = strategy.network_of(module)
+    if not isinstance(network, torch.nn.Sequential):
+        raise ValueError(
+            f"the dry run runs pipeline stages of an nn.Sequential; {type(network).__name__} is split by tracing, "
+            "whose stages it cannot run on fake tensors yet. HINT: dry-run it with pipeline_parallel_size=1 (or "
+            "strategy=tensor), or write the network as an nn.Sequential of blocks"
+        )
     captured = strategy._example_inputs(module, batch, "training_step")
     call, example = captured if captured is not None else (None, None)
     if example is None:
