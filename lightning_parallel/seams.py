@@ -348,28 +348,3 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     if hasattr(tensor, "to_local") and not isinstance(local, torch.Tensor):
         raise changed("torch", "DTensor._local_tensor", "count the bytes of a shard")
     return local if isinstance(local, torch.Tensor) else tensor
-
-
-def memory_tracker(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
-    """torch's `MemTracker` (`torch.distributed._tools.mem_tracker`, private) over `module` and `optimizer`: a
-    context manager counting live tensor bytes by kind; `peak_by_kind(tracker)` reads its peak."""
-    try:
-        from torch.distributed._tools.mem_tracker import MemTracker
-    except ImportError as error:  # pragma: no cover - present from torch 2.5 on
-        raise changed("torch", "torch.distributed._tools.mem_tracker.MemTracker", "measure a dry run's step") from error
-    tracker = MemTracker()
-    tracker.track_external(module, optimizer)
-    return tracker
-
-
-def peak_by_kind(tracker: Any) -> dict[str, int]:
-    """The tracker's peak snapshot summed over devices: {"Parameter": bytes, ..., "Total": bytes}."""
-    snapshot = tracker.get_tracker_snapshot("peak")
-    total: dict[str, int] = {}
-    for per_device in snapshot.values():
-        for kind, value in per_device.items():
-            key = getattr(kind, "value", kind)
-            total[str(key)] = total.get(str(key), 0) + int(value)
-    if "Total" not in total:
-        raise changed("torch", "MemTracker's snapshot keys", "measure a dry run's step")
-    return total

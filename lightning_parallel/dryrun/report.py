@@ -20,7 +20,8 @@ KEYS = ("params", "grads", "optimizer", "activations", "total")
 @dataclass(frozen=True)
 class RoleRow:
     """One rank role: which ranks it stands for, its blocks and tensor plan, and bytes measured and predicted (keys
-    params, grads, optimizer, activations, total; the measured total is the step's peak of live tensors)."""
+    params, grads, optimizer, activations, total). The measured total is the step's peak of live tensors; its
+    activations are that peak less the parameters, gradients and optimizer state (so also FSDP2's gathered blocks)."""
 
     role: str
     global_rank: int
@@ -30,20 +31,20 @@ class RoleRow:
     measured: dict[str, int]
     predicted: dict[str, float] | None
     set_up_peak_bytes: int
-    step_peak_by_kind: dict[str, int]
     seconds: float
 
     @classmethod
     def of(cls, role: Any, measured: Any, predicted: dict[str, float] | None) -> RoleRow:
         step = measured.step
-        activations = step["peak_activation"] + step["peak_temp"] + step["peak_other"]
         figures = {
             "params": measured.parameter_bytes,
             "grads": step["gradient_bytes"],
             "optimizer": step["optimizer_bytes"],
-            "activations": activations,
+            "activations": 0,
             "total": step["peak_total"],
         }
+        # what the peak holds besides them: activations, temporaries, FSDP2's gathered blocks
+        figures["activations"] = max(0, figures["total"] - figures["params"] - figures["grads"] - figures["optimizer"])
         return cls(
             role=f"pp rank {role.pp_rank}",
             global_rank=role.rank,
@@ -53,7 +54,6 @@ class RoleRow:
             measured=figures,
             predicted=predicted,
             set_up_peak_bytes=measured.set_up_peak_bytes,
-            step_peak_by_kind={k.removeprefix("peak_"): v for k, v in step.items() if k.startswith("peak_")},
             seconds=round(measured.seconds, 2),
         )
 

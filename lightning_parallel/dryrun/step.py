@@ -1,5 +1,5 @@
-"""One training step of one rank role on fake tensors, under torch's MemTracker: the peak of live tensor bytes (and of
-each kind: parameters, gradients, optimizer state, activations, temporaries) and what the step leaves. At pp=1 the
+"""One training step of one rank role on fake tensors: the peak of live tensor bytes (`live_bytes.py`) and the gradient
+and optimizer-state bytes the step leaves. At pp=1 the
 user's `training_step` runs as Lightning would call it; at pp > 1 the rank's own compute actions run in the order the
 schedule gives them (`pipeline/schedule_plan.rank_actions`), on its own stage modules, with no transport.
 """
@@ -14,14 +14,13 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from lightning_parallel.dryrun.live_bytes import LiveBytes
 from lightning_parallel.parameter_kinds import then_by_kind
 from lightning_parallel.pipeline.partition import Partition
 from lightning_parallel.pipeline.schedule_plan import ScheduleSpec, rank_actions
 from lightning_parallel.pipeline.split import NetworkSplit
-from lightning_parallel.seams import local_part, memory_tracker, peak_by_kind
+from lightning_parallel.seams import local_part
 from lightning_parallel.strategies.user_step import _loss_of, slice_batch, swap_attribute
-
-KINDS = ("Parameter", "Gradient", "Optstate", "Activation", "Temp", "Buffer", "Other")  # MemTracker's names
 
 
 def optimizer_of(module: pl.LightningModule) -> torch.optim.Optimizer:
@@ -42,22 +41,16 @@ def optimizer_of(module: pl.LightningModule) -> torch.optim.Optimizer:
 
 
 def tracked_step(module: pl.LightningModule, run: Callable[[], None]) -> dict[str, int]:
-    """Run `run` (forward and backward) then the optimizer's step under MemTracker; the peak bytes per kind and in
-    total, and the gradient and optimizer-state bytes held afterwards."""
+    """Run `run` (forward and backward) then the optimizer's step, counting live tensor bytes (`LiveBytes`): the
+    peak (parameters and buffers included), and the gradient and optimizer-state bytes held afterwards."""
     optimizer = optimizer_of(module)
-    tracker = memory_tracker(module, optimizer)
-    with tracker, ExitStack() as stack:
+    held = sum(_bytes(t) for t in [*module.parameters(), *module.buffers()])
+    with LiveBytes(held) as live, ExitStack() as stack:
         then_by_kind(run, optimizer, stack)()  # the update sees one parameter kind at a time, as in a real step
         optimizer.step()
-    peak = peak_by_kind(tracker)
     grads = sum(_bytes(p.grad) for p in module.parameters() if p.grad is not None)
     states = sum(_bytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
-    return {
-        **{f"peak_{kind.lower()}": int(peak.get(kind, 0)) for kind in KINDS},
-        "peak_total": int(peak.get("Total", 0)),
-        "gradient_bytes": int(grads),
-        "optimizer_bytes": int(states),
-    }
+    return {"peak_total": int(live.peak), "gradient_bytes": int(grads), "optimizer_bytes": int(states)}
 
 
 def whole_step(module: pl.LightningModule, batch: Any) -> Callable[[], None]:
@@ -96,13 +89,13 @@ def scheduled_step(
 
     def forward(stage: int, micro: int) -> tuple[tuple[torch.Tensor, ...], Any]:
         inputs = tuple(_like(t, grad=stage > 0) for t in boundaries[stage])
-        out = _Call(stages[stage], stages[stage])(*inputs)
+        out = stages[stage](*inputs)
         if stage != last:
             return inputs, out
         part = slice_batch(batch, micro * size, (micro + 1) * size, rows)
         value = split.output(out)
         with swap_attribute(network, "forward", lambda *a, **k: value), swap_attribute(module, "log", _ignore):
-            return inputs, _loss_of(_Call(module, module.training_step)(part, micro))
+            return inputs, _loss_of(module.training_step(part, micro))
 
     def run() -> None:
         alive: dict[tuple[int, int], Any] = {}
@@ -160,18 +153,6 @@ def _rows(batch: Any) -> int:
 def _bytes(tensor: torch.Tensor) -> int:
     local = local_part(tensor)
     return local.numel() * local.element_size()
-
-
-class _Call(nn.Module):
-    """A fresh parent for each micro-batch's call of a stage or step: MemTracker refuses a module called twice at the
-    top level (it takes that for a second iteration), not one called twice inside others."""
-
-    def __init__(self, owner: nn.Module, call: Callable[..., Any]) -> None:
-        super().__init__()
-        self.owner, self.call = owner, call
-
-    def forward(self, *args: Any) -> Any:
-        return self.call(*args)
 
 
 def _ignore(*args: Any, **kwargs: Any) -> None:
