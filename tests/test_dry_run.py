@@ -14,6 +14,7 @@ import torch
 
 import lightning_parallel as lp
 from lightning_parallel.dryrun.role import Role, measure_role
+from lightning_parallel.insight.sweep_report import load_jobs, markdown_table
 from lightning_parallel.models import GPT
 from lightning_parallel.tasks import LanguageModelTask
 from tests.conftest import run_cli
@@ -112,6 +113,8 @@ def test_train_py_dry_run_writes_its_rows_and_refuses_what_does_not_fit(tmp_path
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["strategy"].endswith("(dry run)") and len(summary["peak_memory_bytes"]) == 2
     assert "dry run: PipelineParallelStrategy dp4 x pp2 x tp2 on 16 ranks" in result.stderr
+    (job,) = load_jobs(run_dir)  # a sweep's job directory: its row in the sweep report
+    assert "PipelineParallelStrategy (dry run)" in markdown_table([job])
 
 
 def test_transformers_llama_from_a_config_without_weights() -> None:
