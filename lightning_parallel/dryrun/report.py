@@ -82,12 +82,15 @@ class DryRun:
         if self.limit is None:
             return None
         for row in self.rows:
-            if row.measured["total"] > self.limit:
+            step, set_up = row.measured["total"], row.set_up_peak_bytes
+            need, when = (set_up, "while materialising its part") if set_up > step else (step, "at its step's peak")
+            if need > self.limit:
                 return (
                     f"{row.role} (global rank {row.global_rank}, {row.ranks} ranks alike) of {self.layout} needs "
-                    f"{human_bytes(row.measured['total'])} ({row.measured['total']} bytes) at its step's peak, over "
-                    f"the device memory of {human_bytes(self.limit)} ({self.limit} bytes). HINT: raise the tensor or "
-                    "pipeline size, use replicas=fsdp, activation checkpointing or a smaller batch"
+                    f"{human_bytes(need)} ({need} bytes) {when}, over the device memory of {human_bytes(self.limit)} "
+                    f"({self.limit} bytes). HINT: raise the tensor or pipeline size, use replicas=fsdp, activation "
+                    "checkpointing or a smaller batch; a network that does not initialise by name "
+                    "(weights.init_by_name) is materialised whole before it is sharded"
                 )
         return None
 
@@ -108,7 +111,7 @@ class DryRun:
             f"planner: {self.planner}",
             f"{'role':<10} {'ranks':>5} {'blocks':<22} {'sharded':>7} | "
             + " | ".join(f"{k:>21}" for k in KEYS)
-            + " | miss",
+            + f" | {'set-up peak':>11} | miss",
         ]
         for row in self.rows:
             cells = []
@@ -122,7 +125,10 @@ class DryRun:
                 + " | ".join(cells)
                 + f" | {miss}"
             )
-        lines.append("each cell: measured / predicted; total = the step's peak of live tensors")
+        lines.append(
+            "each cell: measured / predicted; total = the step's peak of live tensors; set-up peak = the most "
+            "parameter bytes held while materialising and sharding"
+        )
         if self.limit is not None:
             lines.append(
                 f"device memory {human_bytes(self.limit)}: "
