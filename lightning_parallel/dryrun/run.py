@@ -59,9 +59,9 @@ def dry_run(
     if batch is None:
         example = getattr(module, "example_input_array", None)
         batch = example
-    boundaries, blocks = None, None
+    boundaries = None
     if isinstance(strategy, PipelineParallelStrategy) and dims.pp > 1:
-        boundaries, blocks = stage_boundaries(module, strategy, batch)
+        boundaries, _ = stage_boundaries(module, strategy, batch)
     network = strategy.network_of(module)
     inputs = _network_inputs(module, strategy, batch)
     workload = workload_of(network, inputs)
