@@ -123,7 +123,7 @@ class DryRun:
             lines.append(
                 f"{row.role:<10} {row.ranks:>5} {blocks:<22} {len(row.sharded):>7} | "
                 + " | ".join(cells)
-                + f" | {miss}"
+                + f" | {human_bytes(row.set_up_peak_bytes):>11} | {miss}"
             )
         lines.append(
             "each cell: measured / predicted; total = the step's peak of live tensors; set-up peak = the most "
