@@ -140,6 +140,8 @@ def finished(cfg: DictConfig) -> dict[str, Any] | None:
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run `fit` as configured and return the summary (also written to `<output_dir>/summary.json`)."""
+    if cfg.get("dry_run"):
+        return dry_run_job(cfg)
     earlier = finished(cfg)
     if earlier is not None:
         say(f"nothing left to train: {cfg.paths.output_dir} already ran {earlier.get('steps')} steps (summary.json)")
@@ -190,6 +192,48 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if trainer.is_global_zero:
         write_atomically(Path(cfg.paths.output_dir) / "summary.json", json.dumps(summary, indent=2))
         print_summary(summary, cfg.paths.output_dir)
+    return summary
+
+
+def dry_run_job(cfg: DictConfig) -> dict[str, Any]:
+    """`dry_run=true`: the strategy set up for every rank role of `trainer.devices x trainer.num_nodes` in this
+    process, on the fake process group (`lightning_parallel.dryrun`); writes dry_run.json and a summary.json the sweep
+    report reads. A role over `dry_run_device_memory` is a ConfigError naming it."""
+    from lightning_parallel.dryrun import dry_run
+
+    devices, nodes = int(cfg.trainer.devices), int(cfg.trainer.num_nodes)
+    cfg.trainer.devices, cfg.trainer.num_nodes = devices * nodes, 1  # one process plays them all: nothing launches
+    trainer, task, data, _, _ = build(cfg)
+    if not isinstance(trainer.strategy, MeshStrategy) or not hasattr(trainer.strategy, "resolve_dims"):
+        raise ConfigError(
+            f"dry_run=true sets up the pipeline and tensor strategies; strategy {type(trainer.strategy).__name__} "
+            "runs as it is. HINT: strategy=pipeline or strategy=tensor"
+        )
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    try:
+        result = dry_run(
+            task, trainer.strategy, devices=devices, num_nodes=nodes,
+            batch=batch, precision=str(cfg.trainer.precision), device_memory=cfg.get("dry_run_device_memory"),
+            output_dir=cfg.paths.output_dir,
+        )  # fmt: skip
+    except ValueError as error:
+        raise ConfigError(root_message(error)) from error
+    print(result, file=sys.stderr, flush=True)
+    rows = result.rows
+    summary = {
+        "strategy": f"{type(trainer.strategy).__name__} (dry run)",
+        "devices": result.world_size,
+        "world_size": result.world_size,
+        "model": type(task.model).__name__,
+        "peak_memory_bytes": [row.measured["total"] for row in rows],  # per role (pipeline rank), not per rank
+        "parameter_bytes_per_rank": [row.measured["params"] for row in rows],
+        "metrics": {},
+        "dry_run": result.to_json(),
+    }
+    write_atomically(Path(cfg.paths.output_dir) / "summary.json", json.dumps(summary, indent=2))
+    if result.refusal is not None:
+        raise ConfigError(result.refusal)
     return summary
 
 

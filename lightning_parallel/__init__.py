@@ -21,6 +21,7 @@ _LAZY = {
     "AsyncSGDStrategy": "lightning_parallel.strategies.async_sgd",
     "FaultTolerantStrategy": "lightning_parallel.strategies.fault_tolerant",
     "ParallelDims": "lightning_parallel.dims",
+    "dry_run": "lightning_parallel.dryrun",
 }
 # registry name -> (class name, description)
 _REGISTERED = {

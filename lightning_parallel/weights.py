@@ -14,6 +14,8 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
+from lightning_parallel.seams import local_part
+
 
 def init_by_name(root: nn.Module, init_module: Callable[[nn.Module], None], *, seed: int | None = None) -> None:
     """Run ``init_module`` on every submodule that directly owns parameters or buffers.
@@ -143,7 +145,7 @@ def materialize_in_parts(
         with _initialising_only(fresh) as only:
             _initialise(network)
         if index == 0 and not only.called:  # not name-keyed: nothing is sharded yet, so fall back to whole
-            network.to_empty(device=device)
+            _give_storage(network, device)  # the rest (the first part has its storage; re-allocating it gains nothing)
             _initialise(network)
             peak = parameter_bytes(network)
             for each in parts:
@@ -168,7 +170,7 @@ def parameter_bytes(network: nn.Module) -> int:
     """Bytes of the parameters this process holds (a DTensor's local shard; nothing for the meta device)."""
     total = 0
     for p in network.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
+        local = local_part(p)
         total += 0 if local.is_meta else local.numel() * local.element_size()
     return total
 

@@ -273,7 +273,8 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> Pa
         *([f"Shared overrides: `{' '.join(shared)}`", ""] if shared else []),
         markdown_table(jobs),
         "",
-        "Peak memory is the CUDA allocator's peak on GPU and the process peak RSS on CPU. "
+        "Peak memory is the CUDA allocator's peak on GPU and the process peak RSS on CPU; for a dry run "
+        "(`dry_run=true`), the step's peak of live tensors per pipeline rank. "
         "Bubble is the schedule's analytic idle fraction (pipeline runs only).",
         "",
         *sync_section([(_short(job), job.summary) for job in jobs if job.summary is not None], headline_metric),

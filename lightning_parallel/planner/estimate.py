@@ -1,8 +1,8 @@
 """Per-device memory and step time of one layout (data x pipeline x tensor, schedule, micro-batches) of a workload.
 
 Pure arithmetic over ``Workload`` figures, a ``Hardware`` and the schedule's unit-cost bubble; it enumerates no
-layouts (``search.py`` does) and measures nothing. Over 300 lines: memory and time share one pass over each rank's
-blocks (``_Rank``); per-block checkpointing arithmetic already lives in ``checkpointing.py``.
+layouts (``search.py`` does) and measures nothing. The layout and the estimate records are ``layout.py``'s; memory and
+time share one pass over each rank's blocks (``_Rank``); per-block checkpointing arithmetic is ``checkpointing.py``'s.
 """
 
 from __future__ import annotations
@@ -16,93 +16,9 @@ from lightning_parallel.pipeline.schedule_plan import resolve_schedule
 from lightning_parallel.planner.checkpointing import MODES as CHECKPOINTING
 from lightning_parallel.planner.checkpointing import checkpointed_kinds, kept_and_rematerialised, recompute_factor
 from lightning_parallel.planner.hardware import Hardware, precision_bytes
+from lightning_parallel.planner.layout import Estimate, Layout
 from lightning_parallel.planner.schedule_costs import schedule_cost
 from lightning_parallel.planner.workload import Workload
-
-
-@dataclass(frozen=True, kw_only=True)
-class Layout:
-    """How ``dp * pp * tp`` devices share the work.
-
-    Args:
-        dp: Data-parallel replicas.
-        pp: Pipeline ranks per replica.
-        tp: Tensor-parallel ranks per pipeline rank.
-        dp_shard: Replicas shard parameters, gradients and optimizer state (FSDP / ZeRO-3) instead of copying them.
-        schedule: Pipeline schedule (``pipeline.schedule_plan.SCHEDULES``) when ``pp > 1``.
-        microbatches: Micro-batches per step (1 without a pipeline).
-        stages_per_rank: Pipeline stages per rank (2 for the multi-stage schedules).
-    """
-
-    dp: int
-    pp: int = 1
-    tp: int = 1
-    dp_shard: bool = False
-    schedule: str | None = None
-    microbatches: int = 1
-    stages_per_rank: int = 1
-
-    def __post_init__(self) -> None:
-        if min(self.dp, self.pp, self.tp, self.microbatches, self.stages_per_rank) < 1:
-            raise ValueError(f"layout sizes must be >= 1, got {self}. HINT: use 1 to switch a dimension off")
-        if (self.pp > 1) != (self.schedule is not None):
-            raise ValueError(
-                f"a pipeline (pp={self.pp}) needs a schedule and only a pipeline has one. HINT: pp=2 schedule=1f1b"
-            )
-
-    @property
-    def devices(self) -> int:
-        """Devices the layout uses: ``dp * pp * tp``."""
-        return self.dp * self.pp * self.tp
-
-    @property
-    def label(self) -> str:
-        """``dp4 x pp2 x tp1``."""
-        return f"dp{self.dp} x pp{self.pp} x tp{self.tp}"
-
-    @property
-    def kind(self) -> str:
-        """The parallelism in words: ``ddp``, ``fsdp``, ``pipeline``, ``tensor``, ``pipeline+ddp``, ..."""
-        parts = [name for name, size in (("pipeline", self.pp), ("tensor", self.tp)) if size > 1]
-        if self.dp > 1:
-            parts.append("fsdp" if self.dp_shard else "ddp")
-        return "+".join(parts) or "single"
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """What a layout costs. Memory figures are bytes on the fullest device; times are seconds per step.
-
-    ``memory`` has keys params, grads, optimizer, activations, total; ``time`` has keys compute, tp_comm,
-    pp_comm, bubble, dp_comm, optimizer, overhead (they sum to ``step_time``).
-    """
-
-    layout: Layout
-    batch: int  # samples per replica per step
-    memory: dict[str, float]
-    capacity: float  # usable bytes per device
-    time: dict[str, float]
-    bubble_fraction: float
-    parameters_per_rank: tuple[int, ...]  # per pipeline rank, on one device (tensor shard, data-parallel shard)
-    exact_schedule: bool = True  # False: the bubble and in-flight counts were extrapolated (large pipelines)
-
-    @property
-    def step_time(self) -> float:
-        return sum(self.time.values())
-
-    @property
-    def throughput(self) -> float:
-        """Samples per second over all replicas."""
-        return self.batch * self.layout.dp / self.step_time if self.step_time > 0 else float("inf")
-
-    @property
-    def fits(self) -> bool:
-        return self.memory["total"] <= self.capacity
-
-    @property
-    def communication(self) -> float:
-        """Seconds per step spent in exposed communication."""
-        return self.time["tp_comm"] + self.time["pp_comm"] + self.time["dp_comm"]
 
 
 @dataclass(frozen=True)
@@ -235,7 +151,8 @@ class CostModel:
         else:
             bubble, in_flight, actions, exact, stretch = 0.0, (1,), 0, True, 1.0
         time = self._time(layout, ranks, stages, micro, bubble, actions, stretch)
-        memory = self._memory(layout, ranks, micro, in_flight)
+        per_rank = self._memories(layout, ranks, micro, in_flight)
+        memory = max(per_rank, key=lambda m: m["total"])
         shard = layout.dp if layout.dp_shard else 1
         return Estimate(
             layout=layout,
@@ -246,6 +163,7 @@ class CostModel:
             bubble_fraction=bubble,
             parameters_per_rank=tuple(round(r.params / shard) for r in ranks),
             exact_schedule=exact,
+            memory_per_rank=tuple(per_rank),
         )
 
     def check(self, layout: Layout, *, batch: int) -> None:
@@ -346,10 +264,13 @@ class CostModel:
         traffic = worst.params * (2 * self.param_bytes + self.grad_bytes) * per_byte
         return 3 * worst.blocks * fixed + traffic
 
-    def _memory(self, layout: Layout, ranks: Sequence[_Rank], micro: int, in_flight: Sequence[int]) -> dict[str, float]:
+    def _memories(
+        self, layout: Layout, ranks: Sequence[_Rank], micro: int, in_flight: Sequence[int]
+    ) -> list[dict[str, float]]:
+        """Per pipeline rank: bytes of parameters, gradients, optimizer state and activations, and their total."""
         shard = layout.dp if layout.dp_shard else 1
         v = layout.stages_per_rank
-        worst: dict[str, float] = {"total": -1.0}
+        memories = []
         for rank, figures in enumerate(ranks):
             params = figures.params / shard
             gathered = figures.largest_block * (1 - 1 / shard) * 2 if shard > 1 else 0.0  # this block and the next
@@ -361,6 +282,5 @@ class CostModel:
                 "activations": figures.activations * micro * held + figures.rematerialised * micro,
             }
             memory["total"] = sum(memory.values())
-            if memory["total"] > worst["total"]:
-                worst = memory
-        return worst
+            memories.append(memory)
+        return memories

@@ -1,0 +1,67 @@
+"""The planner's prediction for the layout a dry run sets up: the same sizes, schedule, micro-batches, replicas and
+precision as a `planner.Layout`, and its memory per pipeline rank. Predicts only what the planner can analyse (an
+`nn.Sequential` of named blocks); it measures nothing (`role.py` does).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_parallel.planner import CostModel, Layout, Workload, workload_from_module
+from lightning_parallel.planner.presets import hardware_preset
+from lightning_parallel.strategies.base import MeshStrategy
+from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
+
+
+def layout_of(strategy: MeshStrategy) -> Layout:
+    """The planner's layout for the strategy's sizes (FSDP2 replicas: the tensor strategy's always, the pipeline's
+    with replicas='fsdp')."""
+    dims = strategy.dims
+    if isinstance(strategy, PipelineParallelStrategy):
+        spec = strategy.spec
+        piped = dims.pp > 1
+        return Layout(
+            dp=dims.dp,
+            pp=dims.pp,
+            tp=dims.tp,
+            dp_shard=strategy.replicas == "fsdp" and dims.dp > 1,
+            schedule=spec.name if piped else None,
+            microbatches=strategy.microbatches_for(dims.pp) if piped else 1,
+            stages_per_rank=spec.stages_per_rank if piped else 1,
+        )
+    return Layout(dp=dims.dp, tp=dims.tp, dp_shard=dims.dp > 1)
+
+
+def workload_of(network: nn.Module, inputs: tuple[Any, ...] | None) -> Workload | None:
+    """The planner's figures for the network, or None where it cannot analyse it (not an `nn.Sequential`, or no
+    single tensor input)."""
+    if not isinstance(network, nn.Sequential) or not inputs or not torch.is_tensor(inputs[0]):
+        return None
+    sample = inputs[0].to("meta")
+    if sample.shape[0] < 2:
+        sample = sample[:1].expand(2, *sample.shape[1:])
+    meta = copy.deepcopy(network).to("meta")
+    return workload_from_module(meta, sample)
+
+
+def predict(
+    workload: Workload,
+    strategy: MeshStrategy,
+    *,
+    batch: int,
+    precision: str,
+    hardware: str = "cpu",
+) -> list[dict[str, float]]:
+    """Bytes of parameters, gradients, optimizer state (AdamW) and activations per pipeline rank, and their total."""
+    model = CostModel(
+        workload,
+        hardware_preset(hardware),
+        precision=precision,
+        optimizer_states=2,
+        activation_checkpointing=strategy.activation_checkpointing,
+    )
+    return list(model.estimate(layout_of(strategy), batch=batch).memory_per_rank)

@@ -1,0 +1,100 @@
+"""`dry_run(module, strategy, devices=N)`: a mesh strategy's set-up at any world size, in this one process, with no
+launch and no real storage: each distinct rank role (a pipeline rank; replicas and tensor ranks hold the same shapes)
+set up on torch's fake process group (`role.py`), next to the planner's prediction (`prediction.py`); the report and
+its refusal are `report.py`'s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_parallel.dryrun.prediction import layout_of, predict, workload_of
+from lightning_parallel.dryrun.report import DryRun, RoleRow, device_limit
+from lightning_parallel.dryrun.role import Role, measure_role, refuse_configured, stage_boundaries
+from lightning_parallel.strategies.base import MeshStrategy
+from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
+
+
+def dry_run(
+    module: pl.LightningModule,
+    strategy: MeshStrategy,
+    *,
+    devices: int,
+    num_nodes: int = 1,
+    batch: Any = None,
+    precision: str = "32-true",
+    device_memory: int | str | None = None,
+    hardware: str = "cpu",
+    output_dir: str | Path | None = None,
+) -> DryRun:
+    """Set up `strategy` for `devices x num_nodes` ranks without launching anything, once per distinct rank role.
+
+    Args:
+        module: The LightningModule, its network built on the meta device (`with torch.device("meta"):`) so no
+            weights are ever made; it is copied, never changed.
+        strategy: A `PipelineParallelStrategy` or `TensorParallelStrategy`, as it would be given to the Trainer.
+        devices: Devices per node; num_nodes: nodes.
+        batch: One training batch (what the loader gives one replica); its shapes drive the step. Required unless
+            the module sets `example_input_array` and the strategy is tensor-only.
+        precision: Lightning's precision name, for the planner (the network's own dtype is what is measured).
+        device_memory: A size ("80GB") or a hardware preset ("h100": its usable memory); a role whose peak exceeds
+            it makes `DryRun.refusal` a line (and `train.py` exits non-zero).
+        hardware: The planner's hardware preset for the prediction.
+        output_dir: Where `dry_run.json` is written; None writes nothing.
+
+    Returns:
+        One row per role, measured and predicted; `str()` is the table.
+    """
+    refuse_configured(module)
+    world = devices * num_nodes
+    strategy._dims = strategy.resolve_dims(world)
+    strategy._dims.check_tp_fits_nodes(devices)
+    strategy.parallel_devices = [torch.device("cpu")] * devices
+    strategy.validate(module, batch=batch)
+    dims = strategy.dims
+    if batch is None:
+        example = getattr(module, "example_input_array", None)
+        batch = example
+    boundaries = None
+    if isinstance(strategy, PipelineParallelStrategy) and dims.pp > 1:
+        boundaries, _ = stage_boundaries(module, strategy, batch)
+    network = strategy.network_of(module)
+    inputs = _network_inputs(module, strategy, batch)
+    workload = workload_of(network, inputs)
+    rows_per_batch = int(inputs[0].shape[0]) if inputs and torch.is_tensor(inputs[0]) else 1
+    predicted = (
+        predict(workload, strategy, batch=rows_per_batch, precision=precision, hardware=hardware)
+        if workload is not None
+        else None
+    )
+    rows = []
+    for pp_rank in range(dims.pp):
+        role = Role(pp_rank=pp_rank, rank=pp_rank * dims.tp, ranks=dims.dp * dims.tp)
+        measured = measure_role(module, strategy, role, batch, boundaries)
+        rows.append(RoleRow.of(role, measured, predicted[pp_rank] if predicted is not None else None))
+    result = DryRun(
+        layout=layout_of(strategy).label,
+        world_size=world,
+        strategy=type(strategy).__name__,
+        rows=rows,
+        limit=device_limit(device_memory),
+        planner=workload.name if workload is not None else f"none ({type(network).__name__} is not an nn.Sequential)",
+    )
+    if output_dir is not None:
+        result.write(Path(output_dir) / "dry_run.json")
+    return result
+
+
+def _network_inputs(module: pl.LightningModule, strategy: MeshStrategy, batch: Any) -> tuple[Any, ...] | None:
+    """The tensors the network receives from one batch (through the user's step, stopped at the network)."""
+    from lightning_parallel.strategies.user_step import capture_network_inputs
+
+    if batch is None:
+        return None
+    network = strategy.network_of(module)
+    args, kwargs = capture_network_inputs(lambda: module.training_step(batch, 0), network, module)
+    return tuple(args) or tuple(kwargs.values())

@@ -1,0 +1,159 @@
+"""One training step of one rank role on fake tensors: the peak of live tensor bytes (`live_bytes.py`) and the gradient
+and optimizer-state bytes the step leaves. At pp=1 the
+user's `training_step` runs as Lightning would call it; at pp > 1 the rank's own compute actions run in the order the
+schedule gives them (`pipeline/schedule_plan.rank_actions`), on its own stage modules, with no transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from lightning_parallel.dryrun.live_bytes import LiveBytes
+from lightning_parallel.parameter_kinds import then_by_kind
+from lightning_parallel.pipeline.partition import Partition
+from lightning_parallel.pipeline.schedule_plan import ScheduleSpec, rank_actions
+from lightning_parallel.pipeline.split import NetworkSplit
+from lightning_parallel.seams import local_part
+from lightning_parallel.strategies.user_step import _loss_of, slice_batch, swap_attribute
+
+
+def optimizer_of(module: pl.LightningModule) -> torch.optim.Optimizer:
+    """The one optimizer `configure_optimizers()` returns (alone, first of a list, or under "optimizer")."""
+    made: Any = module.configure_optimizers()
+    if isinstance(made, Mapping):
+        made = made["optimizer"]
+    if isinstance(made, (list, tuple)):
+        made = made[0]
+    if isinstance(made, Mapping):
+        made = made["optimizer"]
+    if not isinstance(made, torch.optim.Optimizer):
+        raise ValueError(
+            f"{type(module).__name__}.configure_optimizers() gave {type(made).__name__}; the dry run measures one "
+            "torch optimizer. HINT: return an optimizer, a list of them, or a dict with 'optimizer'"
+        )
+    return made
+
+
+def tracked_step(module: pl.LightningModule, run: Callable[[], None]) -> dict[str, int]:
+    """Run `run` (forward and backward) then the optimizer's step, counting live tensor bytes (`LiveBytes`): the
+    peak (parameters and buffers included), and the gradient and optimizer-state bytes held afterwards."""
+    optimizer = optimizer_of(module)
+    held = sum(_bytes(t) for t in [*module.parameters(), *module.buffers()])
+    with LiveBytes(held) as live, ExitStack() as stack:
+        then_by_kind(run, optimizer, stack)()  # the update sees one parameter kind at a time, as in a real step
+        optimizer.step()
+    grads = sum(_bytes(p.grad) for p in module.parameters() if p.grad is not None)
+    states = sum(_bytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+    return {"peak_total": int(live.peak), "gradient_bytes": int(grads), "optimizer_bytes": int(states)}
+
+
+def whole_step(module: pl.LightningModule, batch: Any) -> Callable[[], None]:
+    """pp=1: the user's `training_step` and its backward (logging muted)."""
+
+    def run() -> None:
+        with swap_attribute(module, "log", _ignore), swap_attribute(module, "log_dict", _ignore):
+            loss = _loss_of(module.training_step(batch, 0))
+        loss.backward()
+
+    return run
+
+
+def scheduled_step(
+    module: pl.LightningModule,
+    network: nn.Module,
+    batch: Any,
+    *,
+    split: NetworkSplit,
+    partition: Partition,
+    spec: ScheduleSpec,
+    pp: int,
+    pp_rank: int,
+    microbatches: int,
+    boundaries: Sequence[tuple[Any, ...]],
+) -> Callable[[], None]:
+    """pp > 1: this rank's forward and backward actions in the schedule's order, each micro-batch's graph kept from
+    its forward to its backward, as the schedule keeps it. `boundaries[s]`: stage s's inputs for one micro-batch
+    (meta tensors), from which fake inputs of the same shapes are made; the last stage's loss is the user's step on
+    the micro-batch's rows, with the network's output substituted."""
+    rows = _rows(batch)
+    size = rows // microbatches
+    example = tuple(_like(t, grad=False) for t in boundaries[0])
+    stages = split.stage_modules(partition, pp_rank, example)
+    last = len(partition.stages) - 1
+
+    def forward(stage: int, micro: int) -> tuple[tuple[torch.Tensor, ...], Any]:
+        inputs = tuple(_like(t, grad=stage > 0) for t in boundaries[stage])
+        out = stages[stage](*inputs)
+        if stage != last:
+            return inputs, out
+        part = slice_batch(batch, micro * size, (micro + 1) * size, rows)
+        value = split.output(out)
+        with swap_attribute(network, "forward", lambda *a, **k: value), swap_attribute(module, "log", _ignore):
+            return inputs, _loss_of(module.training_step(part, micro))
+
+    def run() -> None:
+        alive: dict[tuple[int, int], Any] = {}
+        for action in rank_actions(spec, pp=pp, microbatches=microbatches)[pp_rank]:
+            key = (action.stage, action.microbatch)
+            if action.kind == "F":
+                alive[key] = forward(*key)
+            elif action.kind in ("B", "I"):
+                _, out = alive.pop(key)
+                outs = [t for t in _tensors(out) if t.requires_grad]
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+    return run
+
+
+def boundaries_of(split: NetworkSplit, partition: Partition, example: tuple[torch.Tensor, ...], pp: int) -> list[tuple]:
+    """Each stage's inputs for one micro-batch, found by running the whole (unpruned, meta) network stage by stage."""
+    modules: dict[int, nn.Module] = {}
+    for rank in range(pp):
+        modules.update(split.stage_modules(partition, rank, example))
+    inputs: list[tuple] = []
+    current: tuple = tuple(t.to("meta") if torch.is_tensor(t) else t for t in example)
+    with torch.no_grad():
+        for stage in range(len(partition.stages)):
+            inputs.append(current)
+            out = modules[stage](*current)
+            current = tuple(_tensors(out))
+    return inputs
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _like(tensor: Any, *, grad: bool) -> Any:
+    if not torch.is_tensor(tensor):
+        return tensor
+    made = torch.zeros(tensor.shape, dtype=tensor.dtype, device="cpu")
+    return made.requires_grad_(True) if grad and made.is_floating_point() else made
+
+
+def _rows(batch: Any) -> int:
+    first = next(iter(_tensors(batch)), None)
+    if first is None or first.dim() == 0:
+        raise ValueError("the dry run found no tensor with a batch dimension in the batch. HINT: pass batch=")
+    return int(first.shape[0])
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    local = local_part(tensor)
+    return local.numel() * local.element_size()
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
