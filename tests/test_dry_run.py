@@ -68,7 +68,7 @@ def test_one_role_per_pipeline_rank_holding_what_a_rank_holds(three_d: lp.dryrun
         assert moments < row.measured["optimizer"] <= moments + 4 * 16 * len(row.blocks)
         assert row.measured["total"] >= row.measured["params"] + row.measured["activations"]
         assert row.predicted is not None and row.predicted["grads"] == pytest.approx(row.measured["grads"], rel=0.05)
-    assert three_d.rows[1].sharded["head.lm_head"] == "colwise_gather"
+    assert three_d.rows[1].sharded["head.lm_head"] == "vocab_head"
 
 
 def test_tensor_ranks_hold_alike() -> None:
@@ -81,6 +81,24 @@ def test_tensor_ranks_hold_alike() -> None:
     assert held[0].parameter_bytes == held[1].parameter_bytes == expected_bytes(["embed", "block_0", "block_1",
         "block_2", "block_3", "head"], tp=2, dp=1)  # fmt: skip
     assert held[0].step["peak_total"] == held[1].step["peak_total"]
+
+
+def test_the_logits_are_counted_split_by_vocabulary_as_a_rank_holds_them() -> None:
+    """A large vocabulary and a narrow network, so the logits (and the loss's copies of them) dominate the step: at
+    tp2 the GPT's `vocab_head` keeps them split into the loss, and the step's activations about halve."""
+    vocab, context = 8192, 64
+    with torch.device("meta"):
+        network = GPT(vocab_size=vocab, context_length=context, depth=1, width=32, heads=4)
+    task = LanguageModelTask(network, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+    tokens = torch.randint(0, vocab, (4, context + 1), generator=torch.Generator().manual_seed(0))
+    activations = []
+    for tp in (1, 2):
+        strategy = lp.TensorParallelStrategy(tensor_parallel_size=tp, data_parallel_size=1)
+        result = lp.dry_run(task, strategy, devices=tp, batch=(tokens[:, :-1], tokens[:, 1:]))
+        activations.append(result.rows[0].measured["activations"])
+    logits = 4 * context * vocab * 4  # fp32 bytes of one step's whole logits
+    assert activations[0] > 2 * logits  # the logits and the loss's softmax, at least
+    assert activations[1] < 0.6 * activations[0], activations
 
 
 def test_refusal_names_the_role_its_bytes_and_the_limit(three_d: lp.dryrun.DryRun) -> None:

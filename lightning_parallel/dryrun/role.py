@@ -5,6 +5,7 @@ training step; returns what that rank would hold. It picks no roles and predicts
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 import warnings
@@ -23,6 +24,7 @@ from lightning_parallel.seams import fake_rank, fake_tensors, local_part
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
 from lightning_parallel.strategies.tensor import TensorParallelStrategy
+from lightning_parallel.tensor.sharded_logits import ShardedLogits
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,8 @@ def _set_up_and_step(
             )
         else:
             run = whole_step(module, batch)
-        step = tracked_step(module, run)
+        with _vocab_session(strategy, plan):
+            step = tracked_step(module, run)
         split = modules_split_over(network, "tp")
         sharded = {name: plan.get(name, "custom") for name in sorted(split)}
         blocks = [name for name, _ in _named_blocks(network)]
@@ -162,3 +165,13 @@ def refuse_configured(module: pl.LightningModule) -> None:
             f"{type(module).__name__} overrides configure_model(), which the dry run cannot run on fake tensors. "
             "HINT: give the strategy a plan instead (plan=... or the network's tp_plan)"
         )
+
+
+def _vocab_session(strategy: MeshStrategy, plan: dict[str, str]) -> Any:
+    """The step's logits split by vocabulary into the loss where a real step keeps them so (a planned `vocab_head`,
+    no FSDP2 replicas over dp > 1: the strategies' `vocab_heads`; traced pipelines are refused before this), so the
+    step's peak counts the 1/tp of them a real rank holds."""
+    fsdp = strategy.dims.dp > 1 and (
+        isinstance(strategy, TensorParallelStrategy) or getattr(strategy, "replicas", None) == "fsdp"
+    )
+    return ShardedLogits() if "vocab_head" in plan.values() and not fsdp else contextlib.nullcontext()

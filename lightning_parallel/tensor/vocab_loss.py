@@ -9,7 +9,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -63,7 +62,7 @@ def cross_entropy_on_shards(
     every rank of the split. Class weights, label smoothing and probability targets are not handled here."""
     dim = 1 if input.dim() > 1 else 0
     mesh = input.device_mesh
-    start = compute_local_shape_and_global_offset(input.shape, mesh, input.placements)[1][dim]
+    start = _shard_start(input.shape[dim], mesh.size(), mesh.get_local_rank())
     local = input.to_local().movedim(dim, -1)  # (N, ..., C / tp)
     losses = _VocabParallelCrossEntropy.apply(
         local.reshape(-1, local.shape[-1]), target.reshape(-1), start, ignore_index, mesh.get_group()
@@ -74,3 +73,10 @@ def cross_entropy_on_shards(
     if reduction == "sum":
         return losses.sum()
     return losses.sum() / (target != ignore_index).sum()  # 0 / 0 = nan with every target ignored, as torch's
+
+
+def _shard_start(size: int, parts: int, rank: int) -> int:
+    """Where rank `rank`'s piece of a dimension of `size` split by `Shard` over `parts` starts: torch.chunk's rule
+    (pieces of ceil(size / parts), the last ones shorter or empty). Plain arithmetic, where torch's
+    `compute_local_shape_and_global_offset` reads its offsets back from tensors, which fake tensors cannot answer."""
+    return min(-(-size // parts) * rank, size)
