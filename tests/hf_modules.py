@@ -132,10 +132,10 @@ class HFClassifier(pl.LightningModule):
 class HFImageClassifier(pl.LightningModule):
     """A vision transformer classifier: pixel values and labels by keyword, AdamW."""
 
-    def __init__(self, lr: float = 1e-3) -> None:
+    def __init__(self, lr: float = 1e-3, adamw: bool = True) -> None:
         super().__init__()
         self.model = vit()
-        self.lr = lr
+        self.lr, self.adamw = lr, adamw
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         images, labels = batch
@@ -148,7 +148,7 @@ class HFImageClassifier(pl.LightningModule):
         self.log("val_loss", self.model(pixel_values=images, labels=labels).loss)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return optimizer(self.parameters(), self.lr, adamw=True)
+        return optimizer(self.parameters(), self.lr, adamw=self.adamw)
 
 
 class DictDataset(torch.utils.data.Dataset):
@@ -192,9 +192,12 @@ MODULES: dict[str, Any] = {
     "bert_adamw": lambda: HFClassifier(lr=1e-3, adamw=True, layers=2),
     "llama": HFLlama,
     "vit": HFImageClassifier,
+    "vit_sgd": lambda: HFImageClassifier(lr=1e-2, adamw=False),
 }
 LOADERS: dict[str, Any] = {name: token_loader for name in MODULES if name.startswith(("gpt2", "llama"))}
-LOADERS.update({"bert": classification_loader, "bert_adamw": classification_loader, "vit": image_loader})
+LOADERS.update(
+    {"bert": classification_loader, "bert_adamw": classification_loader, "vit": image_loader, "vit_sgd": image_loader}
+)
 
 
 def build(name: str) -> pl.LightningModule:

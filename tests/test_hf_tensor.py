@@ -291,10 +291,14 @@ def test_transformers_models_at_tp2_match_one_device_and_resume(tmp_path: Path) 
 @needs_torch_2_13
 @pytest.mark.slow
 def test_transformers_models_at_pp2_by_tp2_match_one_device(tmp_path: Path) -> None:
-    configs = [config(name, 4) for name in MODELS]
+    # ViT with SGD here: under AdamW one weight of 1,024 in its first o_proj (a near-zero gradient, which AdamW's
+    # m / sqrt(v) turns into a full step) ended 1.1e-5 from one device's while the next largest gap was 4e-8 and the
+    # loss gap 2.4e-7; with SGD every weight is within 4e-9. ViT under AdamW is checked at tp2 above.
+    models = [name if name != "vit" else "vit_sgd" for name in MODELS]
+    configs = [config(name, 4) for name in models]
     configs[1].update(save_every=STEPS, save_dir=str(tmp_path / "saved"))  # GPT-2: exported with --hf below
     ranks = run_workers("hf_pipeline", 4, configs, tmp_path / "run")
-    for index, name in enumerate(MODELS):
+    for index, name in enumerate(models):
         check(name, [rank[index] for rank in ranks], reference(name), "pp2 x tp2")
     # interleaved q | k | v shards saved as contiguous ones, gathered whole by the export
     ckpt, out = str(tmp_path / "saved" / f"step={STEPS}.ckpt"), str(tmp_path / "hf")
