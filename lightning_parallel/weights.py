@@ -14,7 +14,7 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
-from lightning_parallel.seams import local_part
+from lightning_parallel.one_process_ranks import local_part
 
 
 def init_by_name(root: nn.Module, init_module: Callable[[nn.Module], None], *, seed: int | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Training steps of many ranks in one process (`seams.simulated_ranks`), set up by the strategies' own order
+"""Training steps of many ranks in one process (`simulated_ranks`), set up by the strategies' own order
 (`parallelize/order.py`), against one process: the harness of test_simulated_ranks.py. Networks are built inside the
 simulation (a parameter made outside stays one tensor shared by every simulated rank, and its optimizer step goes
 wrong); pipeline stages, which need point-to-point transport, are chained in one process instead (`chain_stages`).

@@ -1,4 +1,4 @@
-"""Every torch optimizer over real shards: parameters split unevenly over 4 simulated ranks (`seams.simulated_ranks`)
+"""Every torch optimizer over real shards: parameters split unevenly over 4 simulated ranks (`simulated_ranks`)
 by rows and by columns, and replicated, step exactly as plain tensors do (three steps, loop, foreach and, where torch
 has them, fused kernels), or the optimizer is refused before its first step in one line (`parameter_kinds`). The
 one-rank checks of the same, where a shard is the whole tensor, are in test_parameter_kinds.py.
@@ -14,8 +14,9 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from lightning_parallel.one_process_ranks import simulated_ranks
 from lightning_parallel.parameter_kinds import refuse_unsteppable, then_by_kind
-from lightning_parallel.seams import fused_steps_on_dtensor, simulated_ranks
+from lightning_parallel.seams import fused_steps_on_dtensor
 
 RANKS, SHAPE = 4, (6, 5)  # 6 rows over 4 ranks: 2, 2, 1, 1; 5 columns: 2, 1, 1, 1
 PLACEMENTS = {"p": None, "r": Replicate(), "s": Shard(0), "c": Shard(1)}

@@ -23,7 +23,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleInterleaved1F1B
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_parallel import seams
+from lightning_parallel import one_process_ranks, seams
 from lightning_parallel.callbacks import ExactResume
 from lightning_parallel.precision import AgreeingGradScaler
 from lightning_parallel.strategies.mesh_precision import MeshClipping, mesh_precision
@@ -241,7 +241,7 @@ def test_a_second_resume_is_exact_with_exact_resume(tmp_path: Path, fixed: bool)
 
 
 def test_simulated_ranks_name_a_changed_local_tensor_mode_in_one_line(monkeypatch: Any) -> None:
-    """`seams.simulated_ranks` checks the parts of torch's LocalTensorMode its workaround touches (the values it
+    """`simulated_ranks` checks the parts of torch's LocalTensorMode its workaround touches (the values it
     draws: test_simulated_ranks.py), and refuses to simulate inside a process group of another size."""
     from torch.distributed import _local_tensor
 
@@ -251,18 +251,18 @@ def test_simulated_ranks_name_a_changed_local_tensor_mode_in_one_line(monkeypatc
 
     monkeypatch.setattr(_local_tensor, "LocalTensorMode", Changed)
     with pytest.raises(seams.SeamChanged, match="LocalTensorMode._per_rank_rng_states") as error:
-        with seams.simulated_ranks(2):
+        with one_process_ranks.simulated_ranks(2):
             pass
     assert "\n" not in str(error.value) and "HINT" in str(error.value)
     monkeypatch.undo()
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=3)
     try:
         with pytest.raises(ValueError, match=r"simulated_ranks\(2\) inside a process group of 3 ranks"):
-            with seams.simulated_ranks(2):
+            with one_process_ranks.simulated_ranks(2):
                 pass
     finally:
         dist.destroy_process_group()
-    with seams.simulated_ranks(2) as mode:  # opens the fake group itself, and closes it
+    with one_process_ranks.simulated_ranks(2) as mode:  # opens the fake group itself, and closes it
         each = mode.rank_map(lambda rank: torch.tensor(float(rank)))._local_tensors
         assert dist.get_world_size() == 2 and [float(each[rank]) for rank in (0, 1)] == [0.0, 1.0]
     assert not dist.is_initialized()

@@ -1,6 +1,6 @@
 """Exact at real degrees, in one process: tp 8 and dp2 x tp4 training steps of the zoo GPT, transformers' Llama
 (grouped-query attention) and Qwen2 (tied embeddings), and pp 8 and dp2 x pp2 x tp4 (16 ranks) of the zoo GPT, set up
-by the strategies' own order on simulated ranks (`seams.simulated_ranks`), against one process: losses and every
+by the strategies' own order on simulated ranks (`simulated_ranks`), against one process: losses and every
 rank's final weights within 1e-5 (AdamW, padded text). The simulation has no FSDP2 (replicas here are the all-reduced
 kind) and no pipeline transport: the pipeline's stages are chained in one process (`simulated_stages.py`).
 """
@@ -25,8 +25,8 @@ from torch import nn
 
 from lightning_parallel.dims import ParallelDims
 from lightning_parallel.models.transformer import GPT
+from lightning_parallel.one_process_ranks import simulated_ranks
 from lightning_parallel.parallelize.replicas import spans
-from lightning_parallel.seams import simulated_ranks
 
 pytest.importorskip("transformers")
 

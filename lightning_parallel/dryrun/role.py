@@ -18,9 +18,9 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_parallel.blocks import blocks_of
 from lightning_parallel.dryrun.step import boundaries_of, scheduled_step, tracked_step, whole_step
+from lightning_parallel.one_process_ranks import fake_rank, fake_tensors, local_part
 from lightning_parallel.parallelize import parallelize_pipeline, parallelize_tensor
 from lightning_parallel.parallelize.replicas import modules_split_over
-from lightning_parallel.seams import fake_rank, fake_tensors, local_part
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
 from lightning_parallel.strategies.tensor import TensorParallelStrategy

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from lightning_parallel.dryrun.live_bytes import LiveBytes
+from lightning_parallel.one_process_ranks import local_part
 from lightning_parallel.parameter_kinds import then_by_kind
 from lightning_parallel.pipeline.partition import Partition
 from lightning_parallel.pipeline.schedule_plan import ScheduleSpec, rank_actions
 from lightning_parallel.pipeline.split import NetworkSplit
-from lightning_parallel.seams import local_part
 from lightning_parallel.strategies.user_step import _loss_of, slice_batch, swap_attribute
 
 
