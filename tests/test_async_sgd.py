@@ -78,6 +78,7 @@ def test_two_workers_reach_the_accuracy_bar_and_report_staleness(tmp_path: Path)
         assert worker["max"] >= 0 and 0 <= worker["mean"] <= worker["max"]
     assert max(worker["max"] for worker in parallel["staleness"]) > 0  # two workers do overlap
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()
+    print(f"val/acc {history[-1]:.3f} after {steps} of {STEP_BUDGET} steps per worker")
 
 
 @pytest.mark.slow
