@@ -10,6 +10,7 @@ first process forked from the server, the ranks it launches fresh interpreters a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -50,6 +51,7 @@ def _become(script: str, out: str, env: dict[str, str], log: str) -> None:
 def _become_script(script: str, args: list[str], cwd: str, env: dict[str, str], out: Any, err: Any) -> None:
     """In a fork of the server: `python <script> <args>` run from `cwd` with `env`, its standard output and error
     going to the pipes `out` and `err` (which the ranks it launches inherit, as from a shell)."""
+    os.setsid()  # a session of its own, which the ranks it launches join: a timeout ends them all (run_script)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -74,8 +76,8 @@ def run_script(
     """`python <script> <args>` as subprocess.run(capture_output=True, text=True) runs it, in a fork of the server
     that imported torch, Lightning and the library once: ~9 s of CPU less than a fresh interpreter (the ranks > 0 a
     launch starts are still fresh interpreters, and run the command line as a user's would). Its output is read until
-    every process holding the pipes (the ranks it started too) has closed them; after `timeout` it is killed and
-    subprocess.TimeoutExpired raised."""
+    every process holding the pipes (the ranks it started too) has closed them; after `timeout` it is killed with the
+    ranks it started (subprocess.run would leave those running) and subprocess.TimeoutExpired raised."""
     (out_r, out_w), (err_r, err_w) = _FORKS.Pipe(duplex=False), _FORKS.Pipe(duplex=False)
     proc = _FORKS.Process(target=_become_script, args=(str(script), list(args), str(cwd), env, out_w, err_w))
     proc.start()
@@ -96,7 +98,8 @@ def run_script(
     for reader in readers:
         reader.join(max(0.0, deadline - time.monotonic()))
     if proc.exitcode is None or any(reader.is_alive() for reader in readers):
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the script and every rank it launched: none left spinning
         proc.join()
         raise subprocess.TimeoutExpired([sys.executable, str(script), *args], timeout)
     text = {name: read.get(name, b"").decode(errors="replace") for name in ("out", "err")}
