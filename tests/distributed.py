@@ -4,18 +4,22 @@ Each worker gets the same JSON payload and writes `rank<r>.pt` into the output d
 from one server process that imported torch, Lightning and the library once per test session: a fresh interpreter
 spends about 9 s of CPU importing them (2026-11-26; about 1.5 s of it is transformers' AutoModel, which torchmetrics
 imports whenever transformers is installed, as the dev extra does), which made process start-up most of every
-multi-process test here.
+multi-process test here. `run_script` runs a script's command line (train.py's, an example's) the same way: its
+first process forked from the server, the ranks it launches fresh interpreters as a user's are.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
 import runpy
 import signal
 import socket
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +46,64 @@ def _become(script: str, out: str, env: dict[str, str], log: str) -> None:
     sys.path.insert(0, str(Path(script).parent))  # as `python script.py` does: the workers import their siblings
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     runpy.run_path(script, run_name="__main__")
+
+
+def _become_script(script: str, args: list[str], cwd: str, env: dict[str, str], out: Any, err: Any) -> None:
+    """In a fork of the server: `python <script> <args>` run from `cwd` with `env`, its standard output and error
+    going to the pipes `out` and `err` (which the ranks it launches inherit, as from a shell)."""
+    os.setsid()  # a session of its own, which the ranks it launches join: a timeout ends them all (run_script)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    out.close()
+    err.close()
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # what PYTHONUNBUFFERED would give
+    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    sys.argv = [script, *args]
+    # sys.path as `python <script>` has it: the script's folder, then PYTHONPATH, then the interpreter's own
+    own = [p for p in sys.path if "site-packages" in p or p.startswith(sys.base_prefix) or p.startswith("__editable__")]
+    given = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [str(Path(script).parent), *given, *own]
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    runpy.run_path(script, run_name="__main__")
+
+
+def run_script(
+    script: Path, args: list[str], *, cwd: Path, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """`python <script> <args>` as subprocess.run(capture_output=True, text=True) runs it, in a fork of the server
+    that imported torch, Lightning and the library once: ~9 s of CPU less than a fresh interpreter (the ranks > 0 a
+    launch starts are still fresh interpreters, and run the command line as a user's would). Its output is read until
+    every process holding the pipes (the ranks it started too) has closed them; after `timeout` it is killed with the
+    ranks it started (subprocess.run would leave those running) and subprocess.TimeoutExpired raised."""
+    (out_r, out_w), (err_r, err_w) = _FORKS.Pipe(duplex=False), _FORKS.Pipe(duplex=False)
+    proc = _FORKS.Process(target=_become_script, args=(str(script), list(args), str(cwd), env, out_w, err_w))
+    proc.start()
+    out_w.close()
+    err_w.close()
+    read: dict[str, bytes] = {}
+
+    def drain(name: str, conn: Any) -> None:
+        with open(conn.fileno(), "rb", closefd=False) as pipe:
+            read[name] = pipe.read()
+        conn.close()
+
+    readers = [threading.Thread(target=drain, args=pair, daemon=True) for pair in (("out", out_r), ("err", err_r))]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout
+    proc.join(timeout)
+    for reader in readers:
+        reader.join(max(0.0, deadline - time.monotonic()))
+    if proc.exitcode is None or any(reader.is_alive() for reader in readers):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the script and every rank it launched: none left spinning
+        proc.join()
+        raise subprocess.TimeoutExpired([sys.executable, str(script), *args], timeout)
+    text = {name: read.get(name, b"").decode(errors="replace") for name in ("out", "err")}
+    return subprocess.CompletedProcess([sys.executable, str(script), *args], proc.exitcode, text["out"], text["err"])
 
 
 def free_port() -> int:

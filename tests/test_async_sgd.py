@@ -18,8 +18,15 @@ from train import ConfigError, build
 
 # Measured (4 runs): SimpleCNN on digits (train.py's defaults: batch 64 per worker, AdamW 3e-3) with 2 workers
 # first reached 95% validation accuracy after 9, 10, 12 and >12 epochs of 12 steps per worker (108-150+ steps,
-# 216-300+ server updates); async runs differ run to run, so the budget is 300 steps per worker (25 epochs).
+# 216-300+ server updates); async runs differ run to run, so the budget is 300 steps per worker (25 epochs). The run
+# stops at the end of the first epoch whose validation reaches the bar (Lightning's EarlyStopping threshold, decided
+# on every rank together), not after the whole budget: the same check, about half the steps.
 STEP_BUDGET = 300
+BAR = 0.95
+STOP_AT_BAR = (
+    "+callbacks.stop_at_bar={_target_:lightning.pytorch.callbacks.EarlyStopping,monitor:val/acc,mode:max,"
+    f"stopping_threshold:{BAR},patience:{STEP_BUDGET}}}"
+)
 RUN = ["strategy=async_sgd", "trainer.devices=2", "trainer.accelerator=cpu", "callbacks.progress_bar=null"]
 
 
@@ -55,19 +62,23 @@ def test_one_worker_through_the_server_is_one_plain_process(tmp_path: Path) -> N
 @pytest.mark.slow
 def test_two_workers_reach_the_accuracy_bar_and_report_staleness(tmp_path: Path) -> None:
     """The command line a user runs; validation and checkpoints each epoch on the server's weights."""
-    budget = [f"trainer.max_steps={STEP_BUDGET}", "trainer.max_epochs=30"]
+    budget = [f"trainer.max_steps={STEP_BUDGET}", "trainer.max_epochs=30", STOP_AT_BAR]
     result = run_cli(*RUN, *budget, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["metrics"]["val/acc"]["best"] >= 0.95, summary["metrics"]["val/acc"]["history"]
-    parallel = summary["parallel"]
-    assert parallel["updates"] == 2 * STEP_BUDGET and summary["steps"] == STEP_BUDGET
+    history = summary["metrics"]["val/acc"]["history"]
+    assert summary["metrics"]["val/acc"]["best"] >= BAR, history
+    assert history[-1] >= BAR and all(acc < BAR for acc in history[:-1]), history  # stopped at the first epoch there
+    parallel, steps = summary["parallel"], summary["steps"]
+    assert steps <= STEP_BUDGET and steps % 12 == 0, steps  # whole epochs of 12 steps per worker
+    assert parallel["updates"] == 2 * steps
     assert [worker["rank"] for worker in parallel["staleness"]] == [0, 1]
     for worker in parallel["staleness"]:
-        assert worker["pushes"] == STEP_BUDGET and worker["dropped"] == 0
+        assert worker["pushes"] == steps and worker["dropped"] == 0
         assert worker["max"] >= 0 and 0 <= worker["mean"] <= worker["max"]
     assert max(worker["max"] for worker in parallel["staleness"]) > 0  # two workers do overlap
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()
+    print(f"val/acc {history[-1]:.3f} after {steps} of {STEP_BUDGET} steps per worker")
 
 
 @pytest.mark.slow

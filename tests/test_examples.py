@@ -3,7 +3,9 @@ CPU processes and under every registered strategy name in this process (one devi
 user's module trains and validates); examples/hf_causal_lm_3d.py trains a transformers GPT-2 on padded batches under
 the pipeline on 2 processes and exports it back (the same script at pp2 x tp2 differs only in its arguments; that
 layout's parity and export are tests/test_hf_tensor.py's and test_hf_pipeline.py's); examples/cluster/
-torchrun_restarts.sh runs its torchrun command (`--max-restarts`, `ckpt_path=last`) with one worker."""
+torchrun_restarts.sh runs its torchrun command (`--max-restarts`, `ckpt_path=last`) with one worker. The Python
+examples' first process is forked from the tests' server (tests/distributed.py run_script: ~9 s of CPU less each); the
+rank each launches is a fresh interpreter, as a user's is."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed import run_script
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -23,9 +26,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 @pytest.mark.slow
 def test_drop_in_example_runs_under_the_pipeline(tmp_path: Path) -> None:
-    command = [sys.executable, str(EXAMPLES / "drop_in.py"), "--strategy", "pipeline", "--devices", "2"]
-    done = subprocess.run([*command, "--epochs", "1", "--max-steps", "6"], cwd=tmp_path, env=ENV, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    args = ["--strategy", "pipeline", "--devices", "2", "--epochs", "1", "--max-steps", "6"]
+    done = run_script(EXAMPLES / "drop_in.py", args, cwd=tmp_path, env=ENV, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "val_acc 0." in done.stdout
 
@@ -55,9 +57,8 @@ def test_drop_in_example_trains_under_every_registered_name(tmp_path: Path, monk
 @pytest.mark.slow
 def test_transformers_example_trains_padded_batches_and_exports_them_back(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    command = [sys.executable, str(EXAMPLES / "hf_causal_lm_3d.py"), "--devices", "2", "--pp", "2", "--tp", "1"]
-    command += ["--layers", "2", "--steps", "2", "--out", str(tmp_path / "out")]
-    done = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    args = ["--devices", "2", "--pp", "2", "--tp", "1", "--layers", "2", "--steps", "2", "--out", str(tmp_path / "out")]
+    done = run_script(EXAMPLES / "hf_causal_lm_3d.py", args, cwd=tmp_path, env=ENV, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "exported to" in done.stdout
     config = json.loads((tmp_path / "out" / "gpt2" / "config.json").read_text())

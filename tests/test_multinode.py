@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import CONF, ROOT
-from distributed import free_port
+from distributed import free_port, run_script
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
@@ -114,15 +114,16 @@ def assert_same_run(got: Path, want: Path) -> None:
 
 @pytest.fixture(scope="module")
 def one_launch(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The reference: train.py launching 4 processes itself on one node (run once, on demand)."""
+    """The reference: train.py launching 4 processes itself on one node (run once, on demand; its first process
+    forked from the tests' server, the 3 it launches fresh interpreters: tests/distributed.py run_script)."""
     runs: list[Path] = []
 
     def run() -> Path:
         if not runs:
             out = tmp_path_factory.mktemp("one_launch")
-            train = [sys.executable, str(ROOT / "train.py"), *TINY, *LAYOUT, "trainer.devices=4"]
-            codes = run_together([([*train, f"hydra.run.dir={out / 'run'}"], clean_env())], out / "logs")
-            assert codes == [0], tails(out / "logs")
+            args = [*TINY, *LAYOUT, "trainer.devices=4", f"hydra.run.dir={out / 'run'}"]
+            done = run_script(ROOT / "train.py", args, cwd=out, env=clean_env(), timeout=RUN_TIMEOUT)
+            assert done.returncode == 0, done.stderr[-3000:]
             runs.append(out / "run")
         return runs[0]
 

@@ -3,14 +3,13 @@ Over 300 lines: the planner's memory, time and search checks share one set of mo
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from dataclasses import replace
 
 import pytest
 import torch
 from conftest import CONF, ROOT, fake_world
+from distributed import run_script
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from torch import nn
@@ -394,9 +393,9 @@ def test_hardware_presets_read_the_same_with_and_without_hydra(name: str) -> Non
 
 
 def test_plan_command_bad_input_is_one_line_and_exit_2(tmp_path) -> None:  # noqa: ANN001
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "plan.py"), "model=simple_cnn", "data=digits", "device_memory=lots"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": ""},
+    done = run_script(  # `python plan.py ...`, forked from the tests' server (tests/distributed.py)
+        ROOT / "plan.py", ["model=simple_cnn", "data=digits", "device_memory=lots"],
+        cwd=tmp_path, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": ""},
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().count("\n") == 0 and "not a size" in done.stderr and done.stdout == ""
