@@ -44,14 +44,18 @@ def test_drop_in_example_trains_under_every_registered_name(tmp_path: Path, monk
     monkeypatch.chdir(tmp_path)
     names = list(lightning_parallel._REGISTERED)
     assert {"pipeline", "tensor_parallel", "local_sgd", "diloco", "async_sgd"} <= set(names) <= set(StrategyRegistry)
+    environment = dict(os.environ)
     for name in ["auto", *names]:
-        with monkeypatch.context() as fit_env:  # Lightning leaves MASTER_PORT and the group behind, as train.py says
-            for key in ("MASTER_ADDR", "MASTER_PORT"):
-                fit_env.delenv(key, raising=False)
-            trainer = drop_in.fit(strategy=name, devices=1, epochs=1, max_steps=2)
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
+        # a fit leaves MASTER_ADDR / MASTER_PORT, NODE_RANK and LOCAL_RANK behind (as train.py says), and a
+        # LOCAL_RANK makes the next Trainer in this process take itself for a launched rank: each fit starts clean
+        os.environ.clear()
+        os.environ.update(environment)
+        trainer = drop_in.fit(strategy=name, devices=1, epochs=1, max_steps=2)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
         assert trainer.global_step == 2 and 0 <= float(trainer.callback_metrics["val_acc"]) <= 1, name
+    os.environ.clear()
+    os.environ.update(environment)
 
 
 @pytest.mark.slow
