@@ -170,3 +170,20 @@ def test_fsdp_replicas_keep_few_blocks_gathered_at_the_step_peak() -> None:
         beyond_shards = m["total"] - m["params"] - m["grads"] - m["optimizer"]
         whole_stage = m["params"] * 8
         assert beyond_shards < 4 * block < whole_stage, (row.role, beyond_shards, block, whole_stage)
+
+
+def test_live_bytes_counts_what_is_held_once_and_follows_a_resized_storage() -> None:
+    """An in-place update of a held parameter adds nothing (it was counted once, as held); a storage freed by
+    `resize_(0)` (as FSDP2 frees a gathered block) leaves the count, and comes back when resized again."""
+    from lightning_parallel.dryrun.live_bytes import LiveBytes
+
+    weight = torch.zeros(256, 256)
+    with LiveBytes([weight]) as live:
+        weight.mul_(0.5)
+        gathered = torch.zeros(1024)
+        assert live.live == weight.nbytes + gathered.nbytes
+        gathered.untyped_storage().resize_(0)
+        assert live.live == weight.nbytes
+        gathered.untyped_storage().resize_(4096)
+        assert live.live == weight.nbytes + 4096
+    assert live.peak == weight.nbytes + gathered.nbytes

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -20,16 +21,19 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 
 class LiveBytes(TorchDispatchMode):
-    """`with LiveBytes(baseline) as live: ...`; then `live.peak`: the most bytes alive at once, counting `baseline`
-    (what existed before, e.g. the parameters) and every storage an op made since, until it was freed."""
+    """`with LiveBytes(held) as live: ...`; then `live.peak`: the most bytes alive at once, counting the storages of
+    `held` (what existed before, e.g. the parameters: known, so an in-place op on one does not count it again) and
+    every storage an op made since, until it was freed."""
 
-    def __init__(self, baseline: int = 0) -> None:
+    def __init__(self, held: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
-        self.live = self.peak = baseline
+        self.live = self.peak = 0
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> its token in _sizes
         self._sizes: dict[int, int] = {}
         self._tokens = itertools.count()
         self._resize: Any = None
+        for tensor in held:
+            self._count(tensor)
 
     def __enter__(self) -> LiveBytes:
         original = self._resize = torch.UntypedStorage.resize_
