@@ -47,6 +47,17 @@ def private_method(owner: object, name: str, *, library: str, why: str, paramete
     return method
 
 
+def initialise_fsdp_root(module: torch.nn.Module) -> None:
+    """FSDP2's lazy initialisation of `module` as the root over the FSDP2 modules inside it (torch runs it at the
+    root's first forward; a pipeline stage calls the blocks, never the root), so they share one state."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    private_method(
+        state, "_lazy_init", library="torch", why="share one FSDP2 root among a stage's blocks", parameters=0
+    )()
+
+
 def shape_inference(schedule: object) -> tuple[str, Callable[..., Any]]:
     """The name and method of torch.distributed.pipelining's first-step shape inference, which runs an extra forward
     that the runtime must keep from touching BatchNorm statistics and user code: `_initialize_pp_stages` from torch

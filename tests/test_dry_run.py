@@ -152,3 +152,38 @@ def test_transformers_llama_from_a_config_without_weights() -> None:
     assert row.ranks == 16 and row.predicted is None and "self_attn" in " ".join(row.sharded)
     with pytest.raises(ValueError, match=r"split by tracing.*HINT: dry-run it with pipeline_parallel_size=1"):
         lp.dry_run(module, lp.PipelineParallelStrategy(pipeline_parallel_size=2), devices=2, batch=batch)
+
+
+def test_fsdp_replicas_keep_few_blocks_gathered_at_the_step_peak() -> None:
+    """dp8 x pp2 with FSDP2 replicas: besides its shards, a rank's step peak holds a few whole blocks (the one
+    gathered, its gradient and the reduce-scatter's input, the next one prefetched), not its whole stage, which it
+    held while each block was an FSDP2 root of its own (kept gathered to backward, its gradient to backward's end)."""
+    with torch.device("meta"):
+        network = GPT(vocab_size=VOCAB, context_length=8, depth=12, width=256, heads=4)
+    task = LanguageModelTask(network, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+    tokens = torch.randint(0, VOCAB, (4, 9), generator=torch.Generator().manual_seed(0))
+    strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=2, replicas="fsdp", microbatches=2)
+    result = lp.dry_run(task, strategy, devices=16, batch=(tokens[:, :-1], tokens[:, 1:]))
+    block = sum(p.numel() * 4 for p in GPT(vocab_size=VOCAB, context_length=8, depth=1, width=256).block_0.parameters())
+    for row in result.rows:
+        m = row.measured
+        beyond_shards = m["total"] - m["params"] - m["grads"] - m["optimizer"]
+        whole_stage = m["params"] * 8
+        assert beyond_shards < 4 * block < whole_stage, (row.role, beyond_shards, block, whole_stage)
+
+
+def test_live_bytes_counts_what_is_held_once_and_follows_a_resized_storage() -> None:
+    """An in-place update of a held parameter adds nothing (it was counted once, as held); a storage freed by
+    `resize_(0)` (as FSDP2 frees a gathered block) leaves the count, and comes back when resized again."""
+    from lightning_parallel.dryrun.live_bytes import LiveBytes
+
+    weight = torch.zeros(256, 256)
+    with LiveBytes([weight]) as live:
+        weight.mul_(0.5)
+        gathered = torch.zeros(1024)
+        assert live.live == weight.nbytes + gathered.nbytes
+        gathered.untyped_storage().resize_(0)
+        assert live.live == weight.nbytes
+        gathered.untyped_storage().resize_(4096)
+        assert live.live == weight.nbytes + 4096
+    assert live.peak == weight.nbytes + gathered.nbytes

@@ -47,6 +47,9 @@ def test_the_installed_torch_has_every_seam() -> None:
     conv = nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")
     x = torch.randn(2, 3, 5, 5)
     assert torch.equal(seams.conv_forward(conv)(x, conv.weight, conv.bias), conv(x))
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState  # initialise_fsdp_root's part
+
+    assert callable(seams.private_method(FSDPState(), "_lazy_init", library="torch", why="", parameters=0))
 
 
 class _Gone:

@@ -1,5 +1,7 @@
 """The peak of live tensor bytes while code runs: a dispatch mode that adds each new storage's bytes when an op makes
-it and takes them off when the storage is freed. Works on fake tensors (their storages have sizes and no memory).
+it and takes them off when the storage is freed, and follows a storage resized in place (FSDP2 frees and re-gathers a
+block's parameters by `untyped_storage().resize_`, which no op dispatch sees). Works on fake tensors (their storages
+have sizes and no memory).
 
 Why not torch's MemTracker: it re-sums every tracked storage at each op (and refuses a stage called once per
 micro-batch), which at 66B parameters took longer than the whole dry run may. It does not name what the bytes are.
@@ -7,7 +9,9 @@ micro-batch), which at 66B parameters took longer than the whole dry run may. It
 
 from __future__ import annotations
 
+import itertools
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -17,13 +21,38 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 
 class LiveBytes(TorchDispatchMode):
-    """`with LiveBytes(baseline) as live: ...`; then `live.peak`: the most bytes alive at once, counting `baseline`
-    (what existed before, e.g. the parameters) and every storage an op made since, until it was freed."""
+    """`with LiveBytes(held) as live: ...`; then `live.peak`: the most bytes alive at once, counting the storages of
+    `held` (what existed before, e.g. the parameters: known, so an in-place op on one does not count it again) and
+    every storage an op made since, until it was freed."""
 
-    def __init__(self, baseline: int = 0) -> None:
+    def __init__(self, held: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
-        self.live = self.peak = baseline
-        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.live = self.peak = 0
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> its token in _sizes
+        self._sizes: dict[int, int] = {}
+        self._tokens = itertools.count()
+        self._resize: Any = None
+        for tensor in held:
+            self._count(tensor)
+
+    def __enter__(self) -> LiveBytes:
+        original = self._resize = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            out = original(storage, size)
+            token = tracker._seen.get(storage)
+            if token is not None:
+                tracker._add(token, storage.nbytes() - tracker._sizes[token])
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -42,11 +71,16 @@ class LiveBytes(TorchDispatchMode):
         storage = tensor.untyped_storage()
         if storage in self._seen:
             return
-        size = storage.nbytes()
-        self._seen[storage] = size
+        token = next(self._tokens)
+        self._seen[storage] = token
+        self._sizes[token] = 0
+        self._add(token, storage.nbytes())
+        weakref.finalize(storage, self._free, token)
+
+    def _add(self, token: int, size: int) -> None:
+        self._sizes[token] += size
         self.live += size
         self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, size)
 
-    def _free(self, size: int) -> None:
-        self.live -= size
+    def _free(self, token: int) -> None:
+        self.live -= self._sizes.pop(token)

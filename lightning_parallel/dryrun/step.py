@@ -42,15 +42,27 @@ def optimizer_of(module: pl.LightningModule) -> torch.optim.Optimizer:
 
 def tracked_step(module: pl.LightningModule, run: Callable[[], None]) -> dict[str, int]:
     """Run `run` (forward and backward) then the optimizer's step, counting live tensor bytes (`LiveBytes`): the
-    peak (parameters and buffers included), and the gradient and optimizer-state bytes held afterwards."""
+    peak (parameters and buffers included), and the gradient and optimizer-state bytes held afterwards. A step after
+    the first: the optimizer's state (made at its first step) is there through forward and backward."""
     optimizer = optimizer_of(module)
-    held = sum(_bytes(t) for t in [*module.parameters(), *module.buffers()])
-    with LiveBytes(held) as live, ExitStack() as stack:
+    _make_state(module, optimizer)
+    with LiveBytes([*module.parameters(), *module.buffers()]) as live, ExitStack() as stack:
         then_by_kind(run, optimizer, stack)()  # the update sees one parameter kind at a time, as in a real step
         optimizer.step()
     grads = sum(_bytes(p.grad) for p in module.parameters() if p.grad is not None)
     states = sum(_bytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
     return {"peak_total": int(live.peak), "gradient_bytes": int(grads), "optimizer_bytes": int(states)}
+
+
+def _make_state(module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+    """One update on zero gradients, uncounted, so the optimizer holds its state as every step after the first."""
+    trained = [p for p in module.parameters() if p.requires_grad]
+    for param in trained:
+        param.grad = torch.zeros_like(param)
+    with ExitStack() as stack:
+        then_by_kind(lambda: None, optimizer, stack)()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def whole_step(module: pl.LightningModule, batch: Any) -> Callable[[], None]:

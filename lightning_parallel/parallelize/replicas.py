@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel.parallelize.split import Stages
+from lightning_parallel.seams import initialise_fsdp_root
 
 
 def shard_stages_over_replicas(
@@ -29,9 +30,16 @@ def shard_stages_over_replicas(
             f"({', '.join(t.names[0] for t in tied)}). HINT: use replicas='replicate'"
         )
     dp_mesh = mesh["dp"]
+    sharded: set[nn.Parameter] = set()
     for _, block in network.named_children():
         if any(p.requires_grad for p in block.parameters()):
             fully_shard(block, mesh=dp_mesh)
+            sharded.update(block.parameters())
+    # One root over the blocks, so they share FSDP2's state: as roots of their own, each block would hold its whole
+    # gathered gradient (the reduce-scatter's input) until the end of backward, and its gathered parameters from
+    # forward to backward. The stages call the blocks, never the network, so the root is initialised here.
+    fully_shard(network, mesh=dp_mesh, ignored_params={p for p in network.parameters() if p not in sharded})
+    initialise_fsdp_root(network)
 
 
 def shard_layers_over_replicas(module: nn.Module, network: nn.Module, mesh: DeviceMesh | None, *, dp: int) -> None:

@@ -1,8 +1,9 @@
 """Analyse an ``nn.Sequential`` of named blocks on the meta device: per-block parameters, FLOPs, saved activations,
 outputs and tensor-parallel traffic, each split by what the model's tensor-parallel plan shards.
 
-One meta forward + backward per block (FlopCounterMode, saved-tensor hooks, forward hooks); nothing is materialised
-and nothing is timed (``measure.py`` times).
+One meta forward + backward per block (FlopCounterMode, forward hooks), and its saved tensors from a forward on fake
+CPU tensors (where attention runs a fused kernel, as on devices); nothing is materialised and nothing is timed
+(``measure.py`` times).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def _analyse_block(
         if out.requires_grad:
             out.backward(torch.empty_like(out))
     params = list(block.parameters())
-    activations, tp_activations = tracker.saved_elements(saved, {id(p) for p in params})
+    activations, tp_activations = _saved_as_devices_run(block, x, styles)
     forward_flops, sharded_flops = tracker.flops(forward.get_flop_counts(), type(block).__name__)
     flops = forward_flops + backward.get_total_flops()
     figures = {
@@ -110,6 +111,29 @@ def _analyse_block(
         "collectives": tuple((kind, elements / batch) for kind, elements in tracker.collectives),
     }
     return out.detach(), figures
+
+
+def _saved_as_devices_run(block: nn.Module, x: torch.Tensor, styles: dict[str, str]) -> tuple[float, float]:
+    """(all, sharded) elements a block saves for backward, from a forward on fake CPU tensors: there attention runs
+    a fused kernel, as on real devices (flash / memory-efficient: no sequence x sequence scores kept), where the
+    meta device runs torch's math attention (which keeps them twice). FLOPs stay the meta run's (the fused CPU
+    kernel has no FLOP formula)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = copy.deepcopy(block)
+    saved: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    with FakeTensorMode(allow_non_fake_inputs=True):  # the block's meta tensors become fake CPU ones
+        fake.to_empty(device="cpu")
+        inputs = torch.empty(x.shape, dtype=x.dtype, device="cpu").requires_grad_(x.requires_grad)
+        tracker = _ShardTracker(dict(fake.named_modules()), styles)
+        with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            fake(inputs)
+        return tracker.saved_elements(saved, {id(p) for p in fake.parameters()})
 
 
 class _ShardTracker:

@@ -267,19 +267,23 @@ class CostModel:
     def _memories(
         self, layout: Layout, ranks: Sequence[_Rank], micro: int, in_flight: Sequence[int]
     ) -> list[dict[str, float]]:
-        """Per pipeline rank: bytes of parameters, gradients, optimizer state and activations, and their total."""
+        """Per pipeline rank: bytes of (sharded) parameters, gradients, optimizer state, activations and FSDP2's
+        whole blocks beyond the shards ("gathered"), and their total."""
         shard = layout.dp if layout.dp_shard else 1
         v = layout.stages_per_rank
         memories = []
         for rank, figures in enumerate(ranks):
             params = figures.params / shard
-            gathered = figures.largest_block * (1 - 1 / shard) * 2 if shard > 1 else 0.0  # this block and the next
+            # FSDP2 in backward: this block's parameters and the next one's (prefetched) gathered whole beside the
+            # shards, and this block's whole gradient as the reduce-scatter's input (the dry run measures 3 blocks)
+            whole = figures.largest_block if shard > 1 else 0.0
             held = in_flight[min(rank, len(in_flight) - 1)] / v if layout.pp > 1 else 1.0
             memory = {
-                "params": params * self.param_bytes + gathered * self.param_bytes,
+                "params": params * self.param_bytes,
                 "grads": params * self.grad_bytes,
                 "optimizer": params * self.optimizer_states * self.state_bytes,
                 "activations": figures.activations * micro * held + figures.rematerialised * micro,
+                "gathered": whole * (2 * self.param_bytes + self.grad_bytes),
             }
             memory["total"] = sum(memory.values())
             memories.append(memory)

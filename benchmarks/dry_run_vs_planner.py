@@ -1,0 +1,125 @@
+"""The planner's memory per pipeline rank against the dry run's measurement (`train.py ... dry_run=true`: the real
+set-up and one step on the fake process group with fake tensors), for zoo GPTs of 8B and 66B shapes at 8 to 512 ranks.
+Writes results/dry_run_vs_planner.{json,md}. Llama through transformers is left out: the planner analyses only
+nn.Sequential networks, so such a row would have no prediction to check.
+Usage: .venv/bin/python benchmarks/dry_run_vs_planner.py [--quick] [--rows NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from harness import ROOT, THREADS_ENV, machine, one_line, run, write_results
+
+GPT_8B = ["model=transformer", "model.depth=32", "model.width=4096", "model.heads=32"]
+GPT_66B = ["model=transformer", "model.depth=80", "model.width=8192", "model.heads=64"]
+DATA = ["data=synthetic_tokens", "data.seq_len=128", "data.batch_size=8"]
+
+
+def layout(model: list[str], strategy: str, *, pp: int = 1, tp: int = 1, dp: int = 1, nodes: int = 1) -> list[str]:
+    """Overrides for dp x pp x tp on 8 devices a node (FSDP2 replicas where the pipeline has replicas)."""
+    sizes = [f"strategy.tensor_parallel_size={tp}", "trainer.devices=8", f"trainer.num_nodes={nodes}"]
+    if strategy == "tensor":
+        return [*model, "strategy=tensor", *sizes, f"strategy.data_parallel_size={dp}"]
+    fsdp = ["strategy.replicas=fsdp"] if dp > 1 else []
+    return [*model, "strategy=pipeline", *sizes, f"strategy.pipeline_parallel_size={pp}", *fsdp]
+
+
+ROWS: dict[str, list[str]] = {  # name -> overrides
+    "8B tp8 (8 ranks)": layout(GPT_8B, "tensor", tp=8),
+    "8B pp4 x tp2 (8 ranks)": layout(GPT_8B, "pipeline", pp=4, tp=2),
+    "8B dp2 x pp2 x tp2 fsdp (8 ranks)": layout(GPT_8B, "pipeline", pp=2, tp=2, dp=2),
+    "8B dp8 x tp8 (64 ranks)": layout(GPT_8B, "tensor", tp=8, dp=8, nodes=8),
+    "8B dp8 x pp4 x tp2 fsdp (64 ranks)": layout(GPT_8B, "pipeline", pp=4, tp=2, dp=8, nodes=8),
+    "8B pp4 x tp2, seq 2048 (8 ranks)": [*layout(GPT_8B, "pipeline", pp=4, tp=2), "data.seq_len=2048"],
+    "66B dp64 x pp4 x tp2 fsdp (512 ranks)": layout(GPT_66B, "pipeline", pp=4, tp=2, dp=64, nodes=64),
+}
+QUICK = ("8B pp4 x tp2 (8 ranks)", "8B dp2 x pp2 x tp2 fsdp (8 ranks)")
+KEYS = ("params", "grads", "optimizer", "activations", "total")
+
+
+def dry_run(overrides: list[str], timeout: float) -> dict[str, Any]:
+    """One `train.py ... dry_run=true` in a scratch directory: its dry_run.json, or {"error": the line why}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [sys.executable, str(ROOT / "train.py"), *DATA, *overrides, "trainer.accelerator=cpu", "dry_run=true",
+                   f"hydra.run.dir={tmp}/run"]  # fmt: skip
+        started = time.perf_counter()
+        code, output = run(command, timeout=timeout, env=THREADS_ENV, cwd=Path(tmp))
+        report = Path(tmp) / "run" / "dry_run.json"
+        if code != 0 or not report.exists():
+            return {"error": one_line(output, code)}
+        return json.loads(report.read_text()) | {"wall_s": time.perf_counter() - started}
+
+
+def miss(row: dict[str, Any], key: str) -> float | None:
+    predicted = (row.get("predicted") or {}).get(key)
+    measured = row["measured"][key]
+    return None if predicted is None or not measured else predicted / measured - 1
+
+
+def table(rows: list[dict[str, Any]], wall_s: float) -> str:
+    gib = 2**30
+    lines = [
+        "# The planner against the dry run, per pipeline rank",
+        "",
+        "`benchmarks/dry_run_vs_planner.py`: each row is `train.py <overrides> dry_run=true` (data "
+        f"`{' '.join(DATA)}`, fp32, AdamW); **measured**: the step's peak of live bytes of that pipeline rank "
+        "(parameters, gradients, optimizer state and everything the step holds at its peak); **predicted**: the "
+        "planner's `Estimate.memory_per_rank` for the same layout; **miss**: predicted / measured - 1 (within 5%: "
+        f"ok). {machine()}, a shared machine (wall times are contended); {wall_s:.0f} s in all.",
+        "",
+        "| layout | pp rank | measured GiB | predicted GiB | miss | params miss | activations GiB (measured / "
+        "predicted) | ok |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | | failed: {r['error']} | | | | | |")
+            continue
+        for role in r["rows"]:
+            total, params = miss(role, "total"), miss(role, "params")
+            predicted = role.get("predicted") or {}
+            act = f"{role['measured']['activations'] / gib:.2f} / {predicted.get('activations', 0) / gib:.2f}"
+            ok = "yes" if total is not None and abs(total) <= 0.05 else "**no**"
+            lines.append(
+                f"| {r['name']} | {role['role']} | {role['measured']['total'] / gib:.2f} | "
+                f"{predicted.get('total', 0) / gib:.2f} | {_pct(total)} | {_pct(params)} | {act} | {ok} |"
+            )
+    lines += [
+        "",
+        "Llama-3 rows (transformers' LlamaForCausalLM) are not here: the planner analyses only nn.Sequential networks, "
+        "so they have no prediction (the dry run measures them: `lightning_parallel.dry_run`).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.1%}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    parser.add_argument("--rows", nargs="*", help="only these rows (names as in ROWS)")
+    parser.add_argument("--timeout", type=float, default=900)
+    args = parser.parse_args()
+    names = [n for n in ROWS if (not args.quick or n in QUICK) and (not args.rows or n in args.rows)]
+    started = time.perf_counter()
+    rows = []
+    for name in names:
+        result = {"name": name, "overrides": ROWS[name], **dry_run(ROWS[name], args.timeout)}
+        print(name, result.get("error") or [(r["role"], miss(r, "total")) for r in result["rows"]], flush=True)
+        rows.append(result)
+    wall_s = time.perf_counter() - started
+    report = {"machine": machine(), "data": DATA, "rows": rows, "wall_s": wall_s}
+    write_results("dry_run_vs_planner", report, table(rows, wall_s), wall_s, indent=2)
+
+
+if __name__ == "__main__":
+    main()
