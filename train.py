@@ -149,12 +149,18 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     trainer, task, data, recorder, resume_from = build(cfg)
     parameters = sum(p.numel() for p in task.model.parameters())  # before a strategy splits the model
     environment = dict(os.environ)
+    fitted = False
     try:
         trainer.fit(task, datamodule=data, ckpt_path=resume_from, weights_only=cfg.ckpt_weights_only)
+        fitted = not trainer.interrupted
     finally:
         # Lightning leaves the process group and its launcher's variables (LOCAL_RANK, MASTER_PORT, ...)
-        # behind; the next job of a sweep must launch its own processes and start its own group.
+        # behind; the next job of a sweep must launch its own processes and start its own group. After a run
+        # that ended normally the ranks leave together: a rank whose peers were already gone aborted at exit
+        # ("terminate called without an active exception", exit -6) once in a 4-task SLURM test.
         if torch.distributed.is_initialized():
+            if fitted:
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
         os.environ.clear()
         os.environ.update(environment)
