@@ -25,6 +25,7 @@ from user_networks import NETWORKS, fit_user_network  # noqa: E402
 STEPS = 20
 TOLERANCE = 1e-5
 CLIP = {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}
+ADAMW = ("AdamW", {"lr": 1e-3})
 
 
 def case(model: str, strategy: dict[str, Any], *, devices: int = 2, batch: int = 16, **extra: Any) -> dict[str, Any]:
@@ -46,7 +47,10 @@ TWO = {
 }
 FOUR = {
     "gpt_tp4": case("gpt", {"tensor_parallel_size": 4}, devices=4),
-    "gpt_dp2_tp2": case("gpt", {"tensor_parallel_size": 2, "data_parallel_size": 2}, devices=4),
+    # AdamW, its loss on the logits' vocabulary shards under FSDP2 replicas
+    "gpt_dp2_tp2": case(
+        "gpt", {"tensor_parallel_size": 2, "data_parallel_size": 2}, devices=4, trainer={"optimizer": ADAMW}
+    ),
     "simple_cnn_dp2_tp2_clip": case(
         "simple_cnn", {"data_parallel_size": 2}, devices=4, trainer={"gradient_clip_val": 0.05}
     ),
@@ -173,10 +177,11 @@ def test_describe_reports_the_plan(launched: dict[str, list[dict[str, Any]]]) ->
     assert set(own["sharded"]) == {"block_0.mlp.up", "block_0.mlp.down", "block_1.mlp.up", "block_1.mlp.down"}
     both = launched["gpt_dp2_tp2"][0]["describe"]
     assert both["data_parallel_size"] == 2 and len(both["parameter_bytes_per_rank"]) == 4
-    for name in ("gpt", "gpt_sequence_parallel", "gpt_tp4"):  # its loss on the logits' shards
+    # its loss on the logits' shards, also under FSDP2 replicas (dp2 x tp2), never gathering them
+    for name in ("gpt", "gpt_sequence_parallel", "gpt_tp4", "gpt_dp2_tp2"):
         described = launched[name][0]["describe"]
         assert described["vocab_parallel_loss"] and described["vocab_heads"] == ["head.lm_head"], (name, described)
-    assert not both["vocab_parallel_loss"] and "FSDP2" in both["vocab_parallel_loss_off"]  # gathered in the head
+        assert described["logits_gathered"] == 0 and "vocab_parallel_loss_off" not in described, (name, described)
 
 
 @pytest.mark.slow

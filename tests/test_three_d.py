@@ -20,6 +20,7 @@ STEPS = 20
 CLIP = {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}
 BF16 = {"precision": "bf16-mixed", **CLIP}
 FUSED_ADAMW = ("AdamW", {"lr": 1e-3, "fused": True})
+ADAMW = ("AdamW", {"lr": 1e-3})
 
 
 def reference(model: str, global_batch: int, **trainer: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -107,16 +108,23 @@ def test_pipeline_by_tensor_with_clipping_accumulation_bf16_and_fsdp_replicas(tm
 @pytest.mark.slow
 def test_data_by_pipeline_by_tensor_on_eight_processes(tmp_path: Path) -> None:
     """SimpleCNN with fused AdamW and clipping (CUDA's optimizer kernels; SimpleCNN's head stays plain beside
-    sharded layers), the GPT with SGD."""
+    sharded layers), the GPT with SGD, and with AdamW under FSDP2 replicas, its loss on the logits' vocabulary
+    shards."""
     runs = [("gpt", "1f1b"), ("gpt", "interleaved_1f1b"), ("simple_cnn", "1f1b")]
     configs = [config(model, schedule, 2) for model, schedule in runs]
+    configs[0] = {**configs[0], "optimizer": ADAMW}
+    configs[0]["strategy"] = {**configs[0]["strategy"], "replicas": "fsdp"}
     configs[2] = {**configs[2], "optimizer": FUSED_ADAMW, "trainer": {"gradient_clip_val": 0.5}}
     per_rank = run_workers("three_d", 8, configs, tmp_path, timeout=600)
     cnn = {"optimizer": FUSED_ADAMW, "gradient_clip_val": 0.5}
-    references = {"gpt": reference("gpt", 16), "simple_cnn": reference("simple_cnn", 16, **cnn)}
+    references = [reference("gpt", 16, optimizer=ADAMW), reference("gpt", 16), reference("simple_cnn", 16, **cnn)]
     for index, (model, schedule) in enumerate(runs):
         try:
-            assert_matches(per_rank, index, references[model], dp=2)
+            assert_matches(per_rank, index, references[index], dp=2)
         except AssertionError as error:
             raise AssertionError(f"{model} {schedule}: {error}") from error
+    for rank in per_rank:  # dp2 x pp2 x tp2 under FSDP2: the loss on the logits' shards, never gathered
+        parallel = rank[0]["parallel"]
+        assert parallel["replicas"] == "fsdp" and "vocab_parallel_loss_off" not in parallel, parallel
+        assert parallel["vocab_parallel_losses"] == STEPS * 4 and parallel["logits_gathered"] == 0, parallel
     assert per_rank[0][1]["parallel"]["stages_per_rank"] == 2

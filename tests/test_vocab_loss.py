@@ -158,3 +158,21 @@ def test_the_planner_splits_the_logits_by_tensor_parallel_size() -> None:
         assert kept_and_rematerialised(head, tp, "none", 0.0)[0] == 2 * t * w + 2 * t + t * v / tp
         assert kept_and_rematerialised(head, tp, "full", 0.0)[0] == t * v / tp
     assert t * v * 4 / 8 == 525_336_576  # fp32 logits of one sequence per rank at tp 8 (4.2 GB whole)
+
+
+def test_a_backward_hook_on_the_logits_fires_on_the_loss_path() -> None:
+    """FSDP2 registers the hook that gathers a module's parameters again for its backward on the module's output: on
+    the head's sharded logits it must land on them, not on a gathered copy off the loss's path (which never fired:
+    the head's backward then read freed storage, "setStorage ... storage of size 0", at dp2 x tp2)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_parallel.tensor.sharded_logits import ShardedLogits, _mark
+
+    logits, labels = example()
+    fired: list[tuple[int, ...]] = []
+    with simulated(2) as mesh:
+        sharded = _mark(distribute_tensor(logits, mesh, [Shard(-1)]).requires_grad_().view_as(logits))
+        with ShardedLogits() as session:
+            sharded.register_hook(lambda grad: fired.append(tuple(grad.shape)))
+            F.cross_entropy(sharded.flatten(0, 1), labels.flatten()).backward()
+    assert fired == [(B, T, V)] and session.counts.gathered == 0, (fired, session.counts)

@@ -5,7 +5,6 @@ training step; returns what that rank would hold. It picks no roles and predicts
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
 import warnings
@@ -24,7 +23,7 @@ from lightning_parallel.parallelize.replicas import modules_split_over
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
 from lightning_parallel.strategies.tensor import TensorParallelStrategy
-from lightning_parallel.tensor.sharded_logits import ShardedLogits
+from lightning_parallel.tensor.sharded_logits import logits_session, vocab_heads
 
 
 @dataclass(frozen=True)
@@ -168,10 +167,7 @@ def refuse_configured(module: pl.LightningModule) -> None:
 
 
 def _vocab_session(strategy: MeshStrategy, plan: dict[str, str]) -> Any:
-    """The step's logits split by vocabulary into the loss where a real step keeps them so (a planned `vocab_head`,
-    no FSDP2 replicas over dp > 1: the strategies' `vocab_heads`; traced pipelines are refused before this), so the
-    step's peak counts the 1/tp of them a real rank holds."""
-    fsdp = strategy.dims.dp > 1 and (
-        isinstance(strategy, TensorParallelStrategy) or getattr(strategy, "replicas", None) == "fsdp"
-    )
-    return ShardedLogits() if "vocab_head" in plan.values() and not fsdp else contextlib.nullcontext()
+    """The step's logits split by vocabulary into the loss where a real step keeps them so (the strategies' rule,
+    `sharded_logits.vocab_heads`; traced pipelines are refused before this), so the step's peak counts the 1/tp of
+    them a real rank holds."""
+    return logits_session(vocab_heads(plan)[0])

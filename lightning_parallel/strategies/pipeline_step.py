@@ -6,7 +6,7 @@ once per optimizer step, and evaluation through a forward-only schedule. At pp=1
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -35,7 +35,7 @@ from lightning_parallel.strategies.user_step import (
     swap_attribute,
 )
 from lightning_parallel.tensor.plans import keep_gradients_sharded
-from lightning_parallel.tensor.sharded_logits import UNDER_FSDP, Counts, ShardedLogits, StageLogits, gather_logits
+from lightning_parallel.tensor.sharded_logits import Counts, StageLogits, gather_logits, logits_session, vocab_heads
 from lightning_parallel.tensor.traced_stages import stages_on_mesh
 from lightning_parallel.token_mean import model_label_counts
 
@@ -161,22 +161,22 @@ class PipelinedStep(PipelineSplit):
 
     @property
     def vocab_heads(self) -> list[str]:
-        """The plan's `vocab_head`s whose logits a step's cross-entropy reads sharded; none in traced stages, which
-        compute on DTensors by aten op (their loss gathers the logits, as `colwise_gather` does), and none under
-        FSDP2 replicas (`sharded_logits.UNDER_FSDP`)."""
-        if self._tensor_plan is None or isinstance(self._split, TracedSplit) or self.vocab_off:
-            return []
-        return [name for name, style in self._tensor_plan[1].items() if style == "vocab_head"]
+        """The plan's `vocab_head`s whose logits a step's cross-entropy reads sharded (`sharded_logits.vocab_heads`:
+        none in traced stages, which compute by aten op)."""
+        return self._vocab_rule()[0]
 
     @property
     def vocab_off(self) -> str | None:
         """Why the plan's `vocab_head`s gather their logits, or None."""
-        fsdp = self.replicas == "fsdp" and self.dims.dp > 1
-        return UNDER_FSDP if fsdp and self._tensor_plan and "vocab_head" in self._tensor_plan[1].values() else None
+        return self._vocab_rule()[1]
+
+    def _vocab_rule(self) -> tuple[list[str], str | None]:
+        plan = self._tensor_plan[1] if self._tensor_plan is not None else None
+        return vocab_heads(plan, traced=isinstance(self._split, TracedSplit))
 
     def _sharded_logits(self) -> AbstractContextManager[Any]:
         """Around a training step (the schedule and the user's step as its loss): `tensor/sharded_logits.py`."""
-        return ShardedLogits(self._logit_counts) if self.vocab_heads else nullcontext()
+        return logits_session(self.vocab_heads, self._logit_counts)
 
     def _network_inputs(self, network: nn.Module, called: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[Any, ...]:
         """The tensors stage 0 takes, checked to be passed the way the split was traced (`self._call`)."""

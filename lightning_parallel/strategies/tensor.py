@@ -10,7 +10,7 @@ mechanics live in `tensor/`. This file holds the arguments, the report (`describ
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -32,13 +32,7 @@ from lightning_parallel.replicas import average_
 from lightning_parallel.strategies.arguments import check_bool, check_choice, check_int, check_name, reject
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
 from lightning_parallel.tensor.plans import STYLES, keep_gradients_sharded
-from lightning_parallel.tensor.sharded_logits import (
-    UNDER_FSDP,
-    Counts,
-    ShardedLogits,
-    describe_loss,
-    gather_logits,
-)
+from lightning_parallel.tensor.sharded_logits import Counts, describe_loss, gather_logits, logits_session, vocab_heads
 from lightning_parallel.weights import materialize
 
 
@@ -94,7 +88,6 @@ class TensorParallelStrategy(MeshStrategy):
         self._gradient_hooks: list[RemovableHandle] = []
         self._vocab_heads: list[str] = []  # planned `vocab_head`s: a step's cross-entropy reads their logits sharded
         self._logit_counts = Counts()
-        self._vocab_off: str | None = None  # why planned heads gather their logits (`sharded_logits.UNDER_FSDP`)
 
     # ---- sizes and validation (main process, before launch) -------------------------------------
     @override
@@ -149,9 +142,7 @@ class TensorParallelStrategy(MeshStrategy):
         network = self.network_of(module)
         done = parallelize_tensor(module, network, self, configured=is_overridden("configure_model", module))
         plan = done.plan[1] if self.dims.tp > 1 else {}
-        heads = [name for name, style in plan.items() if style == "vocab_head"]
-        self._vocab_off = UNDER_FSDP if heads and self.dims.dp > 1 else None
-        self._vocab_heads = [] if self._vocab_off else heads
+        self._vocab_heads = vocab_heads(plan)[0]
         self._description = self._describe(*done.plan, network)
         if self.global_rank == 0:
             d = self._description
@@ -205,35 +196,33 @@ class TensorParallelStrategy(MeshStrategy):
             raise RuntimeError("TensorParallelStrategy.describe() has something to say once the strategy is set up")
         return {
             **self._description,
-            **describe_loss(self._logit_counts, self._vocab_heads, self._vocab_off),
+            **describe_loss(self._logit_counts, self._vocab_heads),
             **self.describe_blocks(),
         }
 
     # ---- the step ------------------------------------------------------------------------------
-    def _sharded_logits(self) -> AbstractContextManager[Any]:
-        """Around a step: the `vocab_head`s' logits stay sharded for its cross-entropy (`tensor/sharded_logits.py`).
-        Entered before the token mean over replicas (`MeshStrategy.training_step`), which then calls it again."""
-        return ShardedLogits(self._logit_counts) if self._vocab_heads else nullcontext()
+    def _in_session(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A step with the `vocab_head`s' logits sharded for its cross-entropy (`tensor/sharded_logits.py`), entered
+        before the token mean over replicas (`MeshStrategy.training_step`), which then calls it again; what the step
+        returns leaves with them gathered."""
+        with logits_session(self._vocab_heads, self._logit_counts):
+            return gather_logits(step(*args, **kwargs))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._sharded_logits():
-            return gather_logits(super().training_step(*args, **kwargs))
+        return self._in_session(super().training_step, *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._sharded_logits():
-            return gather_logits(super().validation_step(*args, **kwargs))
+        return self._in_session(super().validation_step, *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._sharded_logits():
-            return gather_logits(super().test_step(*args, **kwargs))
+        return self._in_session(super().test_step, *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._sharded_logits():
-            return gather_logits(super().predict_step(*args, **kwargs))
+        return self._in_session(super().predict_step, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

@@ -5,7 +5,8 @@ how they cross a pipeline's last stage (`StageLogits`). It picks no module and r
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +22,8 @@ from torch.utils import _pytree as pytree
 from lightning_parallel.tensor.vocab_loss import cross_entropy_on_shards, sharded_class_dim
 
 __all__ = [
-    "UNDER_FSDP", "Counts", "ShardedLogits", "StageLogits", "VocabHead", "describe_loss", "gather_logits",
-    "is_sharded_logits",
+    "TRACED", "Counts", "ShardedLogits", "StageLogits", "VocabHead", "describe_loss", "gather_logits",
+    "is_sharded_logits", "logits_session", "vocab_heads",
 ]  # fmt: skip
 
 _MARK = "_lp_vocab_sharded"  # set on the DTensors a session hands out: the head's output and its views
@@ -35,6 +36,12 @@ _KEEPS_SHARDS: set[Callable[..., Any]] = {
     torch.Tensor.permute, torch.permute, torch.Tensor.contiguous, torch.Tensor.__getitem__, torch.Tensor.float,
     torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.clone, torch.Tensor.unsqueeze, torch.Tensor.squeeze,
     torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.unflatten, torch.Tensor.detach,
+}  # fmt: skip
+# methods that act on the tensor itself, never on a gathered copy: a backward hook (FSDP2's post-forward registers
+# its pre-backward hook, which gathers a module's resharded parameters again, on its output; on a gathered copy,
+# off the loss's path, it never fired and backward read the freed storage: "setStorage ... storage of size 0")
+_ON_ITSELF: set[Callable[..., Any]] = {
+    torch.Tensor.register_hook, torch.Tensor.retain_grad, torch.Tensor.requires_grad_,
 }  # fmt: skip
 # methods that read metadata only (a property such as .shape is a `__get__`, handled alike)
 _METADATA: set[Callable[..., Any]] = {
@@ -78,10 +85,23 @@ class Counts:
     gathered: int = 0
 
 
-# Why planned `vocab_head`s gather their logits anyway: a DTensor output of a module FSDP2 wraps fails its backward
-# (torch 2.13: "setStorage ... out of bounds for storage of size 0", a resharded parameter used before it is gathered
-# again), so under FSDP2 replicas the head gathers inside its forward, as "colwise_gather" does.
-UNDER_FSDP = "FSDP2 replicas wrap the head (data_parallel_size > 1): its logits are gathered inside its forward"
+# Why planned `vocab_head`s gather their logits anyway: stages traced into aten graphs compute by DTensor op, never
+# calling the head's forward, so a session has no logits to hand out.
+TRACED = "traced pipeline stages compute by aten op: their loss reads the logits gathered"
+
+
+def vocab_heads(plan: Mapping[str, str] | None, *, traced: bool = False) -> tuple[list[str], str | None]:
+    """The rule every strategy (and the dry run) follows: the `vocab_head`s of an applied tensor plan whose logits a
+    step's cross-entropy reads sharded, and why planned ones are not read so (None when they are, or none is)."""
+    heads = [name for name, style in (plan or {}).items() if style == "vocab_head"]
+    if heads and traced:
+        return [], TRACED
+    return heads, None
+
+
+def logits_session(heads: list[str], counts: Counts | None = None) -> AbstractContextManager[Any]:
+    """Around a step: a `ShardedLogits` session where `heads` were planned, else nothing."""
+    return ShardedLogits(counts) if heads else nullcontext()
 
 
 def describe_loss(counts: Counts, heads: list[str], why_not: str | None = None) -> dict[str, Any]:
@@ -122,7 +142,7 @@ class ShardedLogits(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in _METADATA or not _holds_logits(args, kwargs):
+        if func in _METADATA or func in _ON_ITSELF or not _holds_logits(args, kwargs):
             return func(*args, **kwargs)
         if getattr(func, "__name__", None) == "__get__":  # .shape, .dtype, .device, ...: metadata, or a view (.T)
             return self._keep_or_gather(func(*args, **kwargs))
