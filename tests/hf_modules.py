@@ -83,17 +83,30 @@ class HFLM(pl.LightningModule):
 
 class HFLlama(HFLM):
     """Llama trained as its users train it: AdamW (foreach, as on a GPU), a cosine schedule stepped every batch and
-    gradient clipping (the Trainer's `gradient_clip_val`)."""
+    gradient clipping (the Trainer's `gradient_clip_val`); its labels padded at the end of the rows (-100: 0 to 4
+    tokens a row, by the row's first id), so the token-normalised mean counts a different number of tokens per row."""
 
     def __init__(self, lr: float = 1e-2) -> None:
         pl.LightningModule.__init__(self)
         self.model = llama()
         self.lr = lr
 
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"]
+        out = self.model(input_ids=ids, labels=padded(ids))
+        self.log("loss", out.loss)
+        return out.loss
+
     def configure_optimizers(self) -> Any:
         adamw = optimizer(self.parameters(), self.lr, adamw=True)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(adamw, T_max=8)
         return {"optimizer": adamw, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def padded(ids: torch.Tensor) -> torch.Tensor:
+    """`ids` as labels with the last (first id % 5) positions of each row ignored (-100)."""
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    return ids.masked_fill(positions >= ids.shape[1] - ids[:, :1] % 5, -100)
 
 
 def optimizer(parameters: Any, lr: float, adamw: bool) -> torch.optim.Optimizer:

@@ -176,3 +176,63 @@ def test_a_backward_hook_on_the_logits_fires_on_the_loss_path() -> None:
             sharded.register_hook(lambda grad: fired.append(tuple(grad.shape)))
             F.cross_entropy(sharded.flatten(0, 1), labels.flatten()).backward()
     assert fired == [(B, T, V)] and session.counts.gathered == 0, (fired, session.counts)
+
+
+def test_traced_stages_compute_the_loss_on_the_logits_shards() -> None:
+    """A traced last stage (transformers' loss from padded labels) runs `aten.linear` and `aten.cross_entropy_loss`
+    on DTensors: the head takes its input whole even when it arrives as partial sums (as from a traced Llama's last
+    norm; DTensor left alone gathered the head's weight and returned partial sums, whole-sized logits on every rank),
+    and in a session the loss runs on the vocabulary shards, counted, with one device's loss and gradients."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from lightning_parallel.tensor.sharded_logits import ShardedLogits
+    from lightning_parallel.tensor.traced_stages import _cross_entropy, _head_linear, distribute_planned
+
+    torch.manual_seed(0)
+    hidden, whole = torch.randn(B * T, 4), nn.Linear(4, V, bias=False)
+    labels = example()[1].flatten()
+    with simulated(2) as mesh:
+        head = nn.Linear(4, V, bias=False)
+        head.weight.data.copy_(whole.weight.data)
+        distribute_planned(head, "vocab_head", mesh)
+        x = DTensor.from_local(hidden, mesh, [Partial()], run_check=False)  # partial sums
+        value = per_rank(x.full_tensor())[0]  # what they sum to
+        expected = F.cross_entropy(whole(value), labels)
+        expected.backward()
+        logits = _head_linear(x, head.weight)
+        target = distribute_tensor(labels, mesh, [Replicate()])
+        with ShardedLogits() as session:
+            loss = _cross_entropy(logits, target)
+        loss.backward()
+        assert logits.placements == (Shard(1),) and session.counts.parallel == 1, (logits.placements, session.counts)
+        assert all(float((value - expected).abs()) < 1e-6 for value in per_rank(loss.to_local()))
+        grad = head.weight.grad.full_tensor()
+        assert all(float((value - whole.weight.grad).abs().max()) < 1e-6 for value in per_rank(grad))
+
+
+def test_bf16_logits_under_autocast_give_one_devices_fp32_loss_and_bf16_gradient() -> None:
+    """precision="bf16-mixed" runs the step under autocast, whose cross-entropy computes and returns fp32 from bf16
+    logits: the loss on the shards does too (it returned bf16 before: 0.02 off at a loss of ~5, one bf16 step). Stated
+    tolerance: the loss within 1e-6 relative (summation order over tokens), the bf16 gradient within one bf16 step
+    of its largest value (measured: equal)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from lightning_parallel.tensor.sharded_logits import ShardedLogits, _mark
+
+    logits, labels = example()
+    logits = logits.bfloat16()
+    for name, loss_fn in LOSSES.items():
+        one = logits.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = loss_fn(one, labels)
+        expected.backward()
+        with simulated(2) as mesh:
+            sharded = distribute_tensor(logits, mesh, [Shard(-1)]).requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16), ShardedLogits() as session:
+                loss = loss_fn(_mark(sharded.view_as(sharded)), labels)
+            loss.backward()
+            grads = per_rank(sharded.grad.redistribute(placements=[Replicate()]).to_local())
+        assert session.counts.parallel == 1 and loss.dtype == expected.dtype == torch.float32, (name, loss.dtype)
+        assert all(float((value - expected).abs()) <= 1e-6 * float(expected.abs()) for value in per_rank(loss)), name
+        step = float(one.grad.abs().max()) * 2**-8
+        assert all(g.dtype == torch.bfloat16 and float((g - one.grad).abs().max()) <= step for g in grads), name

@@ -170,4 +170,4 @@ def _vocab_session(strategy: MeshStrategy, plan: dict[str, str]) -> Any:
     """The step's logits split by vocabulary into the loss where a real step keeps them so (the strategies' rule,
     `sharded_logits.vocab_heads`; traced pipelines are refused before this), so the step's peak counts the 1/tp of
     them a real rank holds."""
-    return logits_session(vocab_heads(plan)[0])
+    return logits_session(vocab_heads(plan))

@@ -166,7 +166,7 @@ class PipelineParallelStrategy(PipelinedStep):
         return {**self._describe_pipeline(), **self._describe_loss(), **self.describe_blocks()}
 
     def _describe_loss(self) -> dict[str, Any]:
-        return describe_loss(self._logit_counts, self.vocab_heads, self.vocab_off) if self.dims.tp > 1 else {}
+        return describe_loss(self._logit_counts, self.vocab_heads) if self.dims.tp > 1 else {}
 
     def _describe_pipeline(self) -> dict[str, Any]:
         return describe_pipeline(

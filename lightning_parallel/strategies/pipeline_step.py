@@ -70,10 +70,12 @@ class PipelinedStep(PipelineSplit):
         assert self._split is not None  # split in parallelize(), before on_device()
         shares = TokenShares(replicas=self.dims.dp, group=self.group("dp"))
         split, logits = self._split, StageLogits()  # the last stage hands the loss its logits' local shard
-        rebuild = (lambda value: split.output(logits.restore(value))) if self.vocab_heads else split.output
+        # (traced stages compute their loss inside the stage, on the shards: `traced_stages._cross_entropy`)
+        handed = bool(self.vocab_heads) and not isinstance(split, TracedSplit)
+        rebuild = (lambda value: split.output(logits.restore(value))) if handed else split.output
         self._micro_steps = MicroSteps(module, network, self._user_step, rebuild, shares)
         self._runtime = self._build_runtime(self.pp_rank)
-        if self.vocab_heads:
+        if handed:
             for stage in self._runtime.stage_modules.values():
                 stage.register_forward_hook(logits.hook)
         if self.global_rank == 0:
@@ -96,7 +98,7 @@ class PipelinedStep(PipelineSplit):
         micro = tuple(t[: max(1, len(t) // self.microbatches_for(self.dims.pp))].to(self.root_device) for t in example)
         modules, factory = split.stage_modules(partition, pp_rank, micro), split.stage_factory(partition, pp_rank)
         if self._tensor_plan is not None and isinstance(split, TracedSplit):  # traced stages compute on DTensors
-            modules, factory = stages_on_mesh(modules, factory, self.device_mesh["tp"])
+            modules, factory = stages_on_mesh(modules, factory, self.device_mesh["tp"], self.vocab_heads)
         return PipelineRuntime(
             stage_modules=modules,
             stage_factory=factory,
@@ -161,18 +163,8 @@ class PipelinedStep(PipelineSplit):
 
     @property
     def vocab_heads(self) -> list[str]:
-        """The plan's `vocab_head`s whose logits a step's cross-entropy reads sharded (`sharded_logits.vocab_heads`:
-        none in traced stages, which compute by aten op)."""
-        return self._vocab_rule()[0]
-
-    @property
-    def vocab_off(self) -> str | None:
-        """Why the plan's `vocab_head`s gather their logits, or None."""
-        return self._vocab_rule()[1]
-
-    def _vocab_rule(self) -> tuple[list[str], str | None]:
-        plan = self._tensor_plan[1] if self._tensor_plan is not None else None
-        return vocab_heads(plan, traced=isinstance(self._split, TracedSplit))
+        """The plan's `vocab_head`s whose logits a step's cross-entropy reads sharded (`sharded_logits.vocab_heads`)."""
+        return vocab_heads(self._tensor_plan[1] if self._tensor_plan is not None else None)
 
     def _sharded_logits(self) -> AbstractContextManager[Any]:
         """Around a training step (the schedule and the user's step as its loss): `tensor/sharded_logits.py`."""

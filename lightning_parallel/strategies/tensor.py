@@ -142,7 +142,7 @@ class TensorParallelStrategy(MeshStrategy):
         network = self.network_of(module)
         done = parallelize_tensor(module, network, self, configured=is_overridden("configure_model", module))
         plan = done.plan[1] if self.dims.tp > 1 else {}
-        self._vocab_heads = vocab_heads(plan)[0]
+        self._vocab_heads = vocab_heads(plan)
         self._description = self._describe(*done.plan, network)
         if self.global_rank == 0:
             d = self._description

@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 from lightning_parallel.tensor.vocab_loss import cross_entropy_on_shards, sharded_class_dim
 
 __all__ = [
-    "TRACED", "Counts", "ShardedLogits", "StageLogits", "VocabHead", "describe_loss", "gather_logits",
+    "Counts", "ShardedLogits", "StageLogits", "VocabHead", "current_session", "describe_loss", "gather_logits",
     "is_sharded_logits", "logits_session", "vocab_heads",
 ]  # fmt: skip
 
@@ -85,18 +85,15 @@ class Counts:
     gathered: int = 0
 
 
-# Why planned `vocab_head`s gather their logits anyway: stages traced into aten graphs compute by DTensor op, never
-# calling the head's forward, so a session has no logits to hand out.
-TRACED = "traced pipeline stages compute by aten op: their loss reads the logits gathered"
+def vocab_heads(plan: Mapping[str, str] | None) -> list[str]:
+    """The rule every strategy (and the dry run) follows: the `vocab_head`s of an applied tensor plan, whose logits a
+    step's cross-entropy reads sharded (in traced pipeline stages `traced_stages` routes the aten op here)."""
+    return [name for name, style in (plan or {}).items() if style == "vocab_head"]
 
 
-def vocab_heads(plan: Mapping[str, str] | None, *, traced: bool = False) -> tuple[list[str], str | None]:
-    """The rule every strategy (and the dry run) follows: the `vocab_head`s of an applied tensor plan whose logits a
-    step's cross-entropy reads sharded, and why planned ones are not read so (None when they are, or none is)."""
-    heads = [name for name, style in (plan or {}).items() if style == "vocab_head"]
-    if heads and traced:
-        return [], TRACED
-    return heads, None
+def current_session() -> ShardedLogits | None:
+    """The `ShardedLogits` session a step runs in, if any (traced stages count their losses in it)."""
+    return _SESSION.get()
 
 
 def logits_session(heads: list[str], counts: Counts | None = None) -> AbstractContextManager[Any]:
@@ -104,17 +101,16 @@ def logits_session(heads: list[str], counts: Counts | None = None) -> AbstractCo
     return ShardedLogits(counts) if heads else nullcontext()
 
 
-def describe_loss(counts: Counts, heads: list[str], why_not: str | None = None) -> dict[str, Any]:
+def describe_loss(counts: Counts, heads: list[str]) -> dict[str, Any]:
     """For summary.json: whether the steps' cross-entropy ran vocabulary-parallel (the logits never gathered for it),
-    the `vocab_head`s, how often anything else gathered their logits (an argmax, a metric, a loss it cannot take),
-    and why planned heads were not used that way (`why_not`)."""
-    described = {
+    the `vocab_head`s, and how often anything else gathered their logits (an argmax, a metric, a loss it cannot
+    take)."""
+    return {
         "vocab_parallel_loss": counts.parallel > 0,
         "vocab_heads": heads,
         "vocab_parallel_losses": counts.parallel,
         "logits_gathered": counts.gathered,
     }
-    return {**described, "vocab_parallel_loss_off": why_not} if why_not else described
 
 
 class ShardedLogits(TorchFunctionMode):

@@ -24,7 +24,7 @@ Compute is saved only between a column- and a row-parallel layer. No Lightning, 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +35,9 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
+from lightning_parallel.tensor.sharded_logits import current_session
 from lightning_parallel.tensor.styles import STYLE_TRAITS
+from lightning_parallel.tensor.vocab_loss import cross_entropy_on_shards, sharded_class_dim
 
 if TYPE_CHECKING:
     from lightning_parallel.pipeline.runtime import StageFactory  # a type only: tensor/ imports no pipeline code
@@ -77,16 +79,17 @@ def distribute_planned(module: nn.Module, style: str, mesh: DeviceMesh) -> None:
             module._buffers[name] = distribute_tensor(buffer, mesh, [placement], src_data_rank=None)
 
 
-def run_on_mesh(stage: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def run_on_mesh(stage: nn.Module, mesh: DeviceMesh, heads: Collection[str] = ()) -> nn.Module:
     """Rewrite a traced stage's graphs in place (once) so it computes on DTensors over `mesh` and returns plain,
-    whole tensors; it still takes and returns exactly what it did, so `PipelineStage` sends plain tensors."""
+    whole tensors; it still takes and returns exactly what it did, so `PipelineStage` sends plain tensors. The
+    modules named in `heads` (`vocab_head`s) return their logits split by vocabulary (`_head_linear`)."""
     if getattr(stage, _DONE, None) is mesh:
         return stage
     for name, module in stage.named_modules():
         graph = getattr(module, "graph", None)
         if not isinstance(graph, fx.Graph):
             continue
-        _rewrite(graph, mesh, root=name == "")
+        _rewrite(graph, mesh, root=name == "", head=name in heads)
         if isinstance(module, fx.GraphModule):
             module.recompile()
         elif callable(getattr(module, "finalize", None)):
@@ -96,22 +99,26 @@ def run_on_mesh(stage: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
 
 def stages_on_mesh(
-    modules: dict[int, nn.Module], factory: StageFactory | None, mesh: DeviceMesh
+    modules: dict[int, nn.Module], factory: StageFactory | None, mesh: DeviceMesh, heads: Collection[str] = ()
 ) -> tuple[dict[int, nn.Module], StageFactory | None]:
     """Traced stage modules (and those a factory traces later, per micro-batch shape) computing on DTensors over
-    the "tp" `mesh`: they take and return plain tensors, as the schedule expects."""
-    on_mesh = {index: run_on_mesh(module, mesh) for index, module in modules.items()}
-    return on_mesh, (partial(_traced_on_mesh, factory, mesh) if factory is not None else None)
+    the "tp" `mesh`: they take and return plain tensors, as the schedule expects (`heads`: as `run_on_mesh`)."""
+    on_mesh = {index: run_on_mesh(module, mesh, heads) for index, module in modules.items()}
+    return on_mesh, (partial(_traced_on_mesh, factory, mesh, heads) if factory is not None else None)
 
 
-def _traced_on_mesh(factory: StageFactory, mesh: DeviceMesh, micro: tuple[torch.Tensor, ...]) -> dict[int, nn.Module]:
-    return {index: run_on_mesh(module, mesh) for index, module in factory(micro).items()}
+def _traced_on_mesh(
+    factory: StageFactory, mesh: DeviceMesh, heads: Collection[str], micro: tuple[torch.Tensor, ...]
+) -> dict[int, nn.Module]:
+    return {index: run_on_mesh(module, mesh, heads) for index, module in factory(micro).items()}
 
 
-def _rewrite(graph: fx.Graph, mesh: DeviceMesh, *, root: bool) -> None:
+def _rewrite(graph: fx.Graph, mesh: DeviceMesh, *, root: bool, head: bool = False) -> None:
     replicate, whole = _OnMesh(_replicate, mesh), _OnMesh(_whole, mesh)
     for node in list(graph.nodes):
-        if node.op == "call_function" and node.target in _REPLACED:
+        if node.op == "call_function" and head and node.target is aten.linear.default:
+            node.target = _head_linear
+        elif node.op == "call_function" and node.target in _REPLACED:
             node.target = _REPLACED[node.target]
         # What enters the graph from outside DTensor: the stage's inputs, tensors read by attribute (plain
         # parameters, buffers, constants) and tensors created from nothing (arange, ones): Replicate DTensors.
@@ -231,6 +238,31 @@ def _embedding(weight: Any, indices: Any, padding_idx: int = -1, *rest: Any) -> 
     return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()])
 
 
+def _head_linear(input: Any, weight: Any, bias: Any = None) -> Any:
+    """A `vocab_head`'s `aten.linear` takes its input whole, as its style does outside a trace, so its logits come out
+    split by vocabulary: left to itself DTensor may move the weight instead (partial sums arriving from a traced
+    Llama's last norm made it gather the head's weight and return partial sums: whole-sized logits on every rank)."""
+    if isinstance(input, DTensor) and _sharded(weight):
+        input = input.redistribute(input.device_mesh, [Replicate()])
+    return aten.linear.default(input, weight, bias)
+
+
+def _cross_entropy(
+    input: Any, target: Any, weight: Any = None, reduction: int = 1, ignore_index: int = -100, smoothing: float = 0.0
+) -> Any:
+    """`aten.cross_entropy_loss` (transformers' loss from `labels`, a traced `F.cross_entropy`): on logits split by
+    vocabulary (a `vocab_head`'s) inside a `ShardedLogits` session, the vocabulary-parallel loss (`vocab_loss.py`,
+    counted by the session); anything else as DTensor computes it, on the logits gathered."""
+    session = current_session()
+    plain = weight is None and not smoothing and isinstance(target, DTensor) and not target.is_floating_point()
+    if session is None or not plain or sharded_class_dim(input) is None:
+        return aten.cross_entropy_loss.default(input, target, weight, reduction, ignore_index, smoothing)
+    session.counts.parallel += 1
+    how = ("none", "mean", "sum")[reduction]
+    loss = cross_entropy_on_shards(input, target.full_tensor(), ignore_index=ignore_index, reduction=how)
+    return DTensor.from_local(loss, input.device_mesh, [Replicate()], run_check=False)  # the same on every rank
+
+
 def _assert_local_metadata(tensor: Any, *args: Any, **kwargs: Any) -> Any:
     """torch.export's dtype/device check, on the local tensor (DTensor has no rule for it)."""
     return aten._assert_tensor_metadata.default(_local(tensor), *args, **kwargs)
@@ -242,4 +274,5 @@ _REPLACED: dict[Any, Callable[..., Any]] = {
     aten.scaled_dot_product_attention.default: _attention_whole,
     aten.embedding.default: _embedding,
     aten._assert_tensor_metadata.default: _assert_local_metadata,
+    aten.cross_entropy_loss.default: _cross_entropy,
 }

@@ -67,7 +67,9 @@ def cross_entropy_on_shards(
     losses = _VocabParallelCrossEntropy.apply(
         local.reshape(-1, local.shape[-1]), target.reshape(-1), start, ignore_index, mesh.get_group()
     )
-    losses = losses.to(input.dtype)
+    # under autocast (precision="bf16-mixed") torch's cross-entropy runs and returns fp32 (autocast's fp32 list):
+    # so does this one; otherwise it returns the logits' dtype
+    losses = losses.to(torch.float32 if torch.is_autocast_enabled(input.device.type) else input.dtype)
     if reduction == "none":
         return losses.reshape(target.shape)
     if reduction == "sum":
