@@ -2,8 +2,8 @@
 micro-batches flow through them (torch.distributed.pipelining), while the user's code stays single-device.
 
 This file holds its arguments, sizes and summary; a chain of classes holds the rest, one concept each: how the
-network is cut into this rank's stages (`pipeline_split.py`), and the pipelined step and evaluation
-(`pipeline_step.py`). Splitting math lives in `pipeline/partition.py`, the schedule mechanics in `pipeline/runtime.py`.
+network is cut into this rank's stages (`pipeline_split.py`), the pipelined step (`pipeline_step.py`) and evaluation
+(`pipeline_eval.py`). Splitting math lives in `pipeline/partition.py`, the schedule mechanics in `pipeline/runtime.py`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from lightning_parallel.pipeline.split import NetworkSplit
 from lightning_parallel.pipeline.tied import TiedGroup
 from lightning_parallel.strategies.arguments import check_bool, check_choice, check_int, check_name, reject
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT
-from lightning_parallel.strategies.pipeline_step import PipelinedStep
+from lightning_parallel.strategies.pipeline_eval import PipelinedEvaluation
 from lightning_parallel.strategies.pipeline_summary import describe_pipeline, describe_whole
 from lightning_parallel.strategies.tensor import check_plan_argument
 from lightning_parallel.strategies.user_step import (
@@ -39,7 +39,7 @@ BALANCES = ("flops", "parameters", "time")  # how a split is balanced, besides e
 REPLICAS = ("replicate", "fsdp")  # how data-parallel replicas of the pipeline stay in sync
 
 
-class PipelineParallelStrategy(PipelinedStep):
+class PipelineParallelStrategy(PipelinedEvaluation):
     """Pipeline parallelism (optionally x data parallelism) as a Lightning strategy.
 
     Contract with the LightningModule: the network is an `nn.Sequential` of named blocks (found by itself, or at

@@ -1,6 +1,6 @@
 """The pipelined training step: the user's `training_step` unchanged, its network call served by the schedule on
 every stage (`strategies/user_step.py`), gradients put back where autograd would have left them, replicas averaged
-once per optimizer step, and evaluation through a forward-only schedule. At pp=1 Lightning's own step runs.
+once per optimizer step. At pp=1 Lightning's own step runs. Evaluation is `pipeline_eval.py`'s.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from lightning_parallel.pipeline.runtime import PipelineRuntime, put_gradients, 
 from lightning_parallel.pipeline.schedule_plan import analytic_bubble
 from lightning_parallel.pipeline.split import TracedSplit
 from lightning_parallel.pipeline.tied import counted_elsewhere, sum_tied_gradients
-from lightning_parallel.pipeline.token_shares import TokenShares, unweighted_eval_loss, whole_batch_model_loss
+from lightning_parallel.pipeline.token_shares import TokenShares
 from lightning_parallel.replicas import average_
 from lightning_parallel.strategies.pipeline_split import PipelineSplit
 from lightning_parallel.strategies.step_logs import averaged_logs_line, replay_logs
@@ -32,7 +32,6 @@ from lightning_parallel.strategies.user_step import (
     MicroSteps,
     StepRefused,
     capture_network_inputs,
-    swap_attribute,
 )
 from lightning_parallel.tensor.plans import keep_gradients_sharded
 from lightning_parallel.tensor.sharded_logits import Counts, StageLogits, gather_logits, logits_session, vocab_heads
@@ -218,41 +217,6 @@ class PipelinedStep(PipelineSplit):
 
         return loss
 
-    def _pipelined_forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The network call of an evaluation step: a forward-only schedule, its output's tensors broadcast from the
-        last stage and rebuilt into the network's own output (a tensor, tuple, dict or ModelOutput) on every rank."""
-        network = self.network_of(self.module)
-        inputs = self._network_inputs(network, (args, kwargs))
-        output = self.runtime.forward(inputs)
-        leaves: list[torch.Tensor] = [] if output is None else list(output) if isinstance(output, tuple) else [output]
-        meta = [(isinstance(output, tuple), [(t.shape, t.dtype) for t in leaves])] if output is not None else [None]
-        dist.broadcast_object_list(meta, src=self._last_stage_rank(), group=self.group("pp"))
-        assert meta[0] is not None  # the last stage always has an output
-        several, shapes = meta[0]
-        tensors = [
-            self._from_last_stage(leaves[i] if leaves else None, shape, dtype)
-            for i, (shape, dtype) in enumerate(shapes)
-        ]
-        assert self._split is not None
-        rebuilt = self._split.output(tuple(tensors) if several else tensors[0])
-        counts = self._label_counts(network, inputs, evaluating=True)
-        if counts is not None and counts[1] is not None:
-            whole_batch_model_loss(rebuilt, tensors, counts[1])
-        elif counts is not None and not self._warned_eval_loss:
-            rank_zero_warn(unweighted_eval_loss(counts[0]))
-            self._warned_eval_loss = True
-        return rebuilt
-
-    def _from_last_stage(self, tensor: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """Broadcast a tensor from the rank holding the last stage to every rank of the pipeline."""
-        buffer = (
-            tensor.to(dtype).contiguous()
-            if tensor is not None
-            else torch.empty(shape, dtype=dtype, device=self.root_device)
-        )
-        dist.broadcast(buffer, src=self._last_stage_rank(), group=self.group("pp"))
-        return buffer
-
     def _last_stage_rank(self) -> int:
         """Global rank of this replica's process that holds the last stage."""
         last_pp = self.partition.stage_to_rank[-1]
@@ -308,25 +272,6 @@ class PipelinedStep(PipelineSplit):
     @override
     def counted_elsewhere(self) -> set[int]:
         return counted_elsewhere(self.network_of(self.module), self._tied, self.pp_rank)
-
-    # ---- evaluation ----------------------------------------------------------------------------
-    def _evaluating(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if not self.pipelined:
-            return step(*args, **kwargs)
-        with swap_attribute(self.network_of(self.module), "forward", self._pipelined_forward):
-            return step(*args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluating(super().validation_step, *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluating(super().test_step, *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluating(super().predict_step, *args, **kwargs)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,76 @@
+"""Evaluation under the pipeline strategy: the user's validation / test / predict step unchanged, its network call
+served by a forward-only schedule whose output is broadcast from the last stage and rebuilt on every rank. No
+training here (`pipeline_step.py`); at pp=1 Lightning's own steps run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_parallel.pipeline.token_shares import unweighted_eval_loss, whole_batch_model_loss
+from lightning_parallel.strategies.pipeline_step import PipelinedStep
+from lightning_parallel.strategies.user_step import swap_attribute
+
+
+class PipelinedEvaluation(PipelinedStep):
+    """The evaluation half of `PipelineParallelStrategy`: every evaluation step through a forward-only schedule."""
+
+    def _pipelined_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The network call of an evaluation step: a forward-only schedule, its output's tensors broadcast from the
+        last stage and rebuilt into the network's own output (a tensor, tuple, dict or ModelOutput) on every rank."""
+        network = self.network_of(self.module)
+        inputs = self._network_inputs(network, (args, kwargs))
+        output = self.runtime.forward(inputs)
+        leaves: list[torch.Tensor] = [] if output is None else list(output) if isinstance(output, tuple) else [output]
+        meta = [(isinstance(output, tuple), [(t.shape, t.dtype) for t in leaves])] if output is not None else [None]
+        dist.broadcast_object_list(meta, src=self._last_stage_rank(), group=self.group("pp"))
+        assert meta[0] is not None  # the last stage always has an output
+        several, shapes = meta[0]
+        tensors = [
+            self._from_last_stage(leaves[i] if leaves else None, shape, dtype)
+            for i, (shape, dtype) in enumerate(shapes)
+        ]
+        assert self._split is not None
+        rebuilt = self._split.output(tuple(tensors) if several else tensors[0])
+        counts = self._label_counts(network, inputs, evaluating=True)
+        if counts is not None and counts[1] is not None:
+            whole_batch_model_loss(rebuilt, tensors, counts[1])
+        elif counts is not None and not self._warned_eval_loss:
+            rank_zero_warn(unweighted_eval_loss(counts[0]))
+            self._warned_eval_loss = True
+        return rebuilt
+
+    def _from_last_stage(self, tensor: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """Broadcast a tensor from the rank holding the last stage to every rank of the pipeline."""
+        buffer = (
+            tensor.to(dtype).contiguous()
+            if tensor is not None
+            else torch.empty(shape, dtype=dtype, device=self.root_device)
+        )
+        dist.broadcast(buffer, src=self._last_stage_rank(), group=self.group("pp"))
+        return buffer
+
+    # ---- evaluation ----------------------------------------------------------------------------
+    def _evaluating(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if not self.pipelined:
+            return step(*args, **kwargs)
+        with swap_attribute(self.network_of(self.module), "forward", self._pipelined_forward):
+            return step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluating(super().validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluating(super().test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluating(super().predict_step, *args, **kwargs)
