@@ -1,6 +1,6 @@
 """The logits' bytes per rank under the vocabulary-parallel loss, measured by the dry run: a transformers Llama at
 Llama-3's 128,256-token vocabulary (one small layer, so the logits dominate the step), one sequence, its loss from
-`labels`, under `strategy=tensor` at tp 1, 2, 4 and 8 (no replicas: FSDP2 replicas gather the logits). Each row is the
+`labels`, under `strategy=tensor` at tp 1, 2, 4 and 8 (no replicas). Each row is the
 step's activation peak per rank from the dry run (fake tensors: nothing is allocated), next to the whole logits' bytes.
 Writes results/vocab_logits. Usage: .venv/bin/python benchmarks/vocab_logits.py [--tokens 2048] [--tp 1 2 4 8]
 """
