@@ -14,7 +14,9 @@ plain, whole tensors. DTensor's sharding propagation then computes every op with
 would, and inserts the collectives (all-reduce of a rowwise layer's partial sums, all-gather where a view or split
 crosses a sharded dimension). Parity is exact up to summation order; ops DTensor cannot shard correctly are
 replaced: Conv2d and BatchNorm with channel-sharded parameters run on local shards (DTensor shards convolutions
-spatially only), scaled-dot-product attention runs whole on every rank (torch 2.13 has no CPU backward rule).
+spatially only), scaled-dot-product attention runs whole on every rank (torch 2.13 has no CPU backward rule); a
+`vocab_head` takes its input whole, and a cross-entropy on its logits runs on their vocabulary shards in a step's
+`ShardedLogits` session (`vocab_loss.py`).
 
 Cost, honestly: every op goes through DTensor's eager dispatch (slower per op than plain tensors, like tp=1
 DTensors on GPU), a layer whose output is split or viewed across its sharded dimension (a fused q|k|v projection)
