@@ -149,7 +149,7 @@ def test_transformers_llama_from_a_config_without_weights() -> None:
     norms = sum(p.numel() for n, p in module.named_parameters() if "norm" in n)
     others = sum(p.numel() for n, p in module.named_parameters() if "norm" not in n)
     assert row.measured["params"] == (others // 2 + norms) // 8 * 4
-    assert row.ranks == 16 and row.predicted is None and "self_attn" in " ".join(row.sharded)
+    assert row.ranks == 16 and row.predicted is not None and "self_attn" in " ".join(row.sharded)
     with pytest.raises(ValueError, match=r"split by tracing.*HINT: dry-run it with pipeline_parallel_size=1"):
         lp.dry_run(module, lp.PipelineParallelStrategy(pipeline_parallel_size=2), devices=2, batch=batch)
 
@@ -169,7 +169,8 @@ def test_fsdp_replicas_keep_few_blocks_gathered_at_the_step_peak() -> None:
         m = row.measured
         beyond_shards = m["total"] - m["params"] - m["grads"] - m["optimizer"]
         whole_stage = m["params"] * 8
-        assert beyond_shards < 4 * block < whole_stage, (row.role, beyond_shards, block, whole_stage)
+        # 4 blocks (2 gathered, a block's gradients twice) and the step's few activations, not the whole stage
+        assert beyond_shards < 5 * block < whole_stage, (row.role, beyond_shards, block, whole_stage)
 
 
 def test_live_bytes_counts_what_is_held_once_and_follows_a_resized_storage() -> None:

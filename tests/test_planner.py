@@ -476,3 +476,34 @@ def test_gradients_and_activations_peak_apart_as_the_schedule_holds_them() -> No
         memory = model.estimate(Layout(dp=1), batch=batch).memory
         whole = sum(block.activations for block in workload.blocks) * batch * 4
         assert memory["activations"] + memory["grads"] < 0.8 * (whole + memory["grads"]), (batch, memory, whole)
+
+
+def test_a_transformers_model_is_analysed_from_its_own_call() -> None:
+    """A LlamaForCausalLM (not an nn.Sequential): its units in the order they run (embedding, each decoder layer,
+    norm, head), every parameter once, the plan's shards split over tp, the loss's saved logits after the head
+    (split by vocabulary only where the vocabulary-parallel loss runs), and the planner's memory for tp2 and dp8 x tp2
+    within 5% of the dry run's."""
+    import lightning_parallel as lp
+    from lightning_parallel.parallelize.plan import resolve_plan
+    from lightning_parallel.planner.call_analysis import workload_from_call
+    from tests.hf_modules import HFLlama
+
+    with torch.device("meta"):
+        module = HFLlama()
+    network = module.model
+    plan = resolve_plan(network, None, tensor_parallel_size=2, sequence_parallel=False)[1]
+    ids = torch.randint(0, 64, (8, 16))
+    split = workload_from_call(network, (), {"input_ids": ids, "labels": ids}, styles=plan)
+    whole = workload_from_call(network, (), {"input_ids": ids, "labels": ids}, styles=plan, vocab_parallel_loss=False)
+    assert [b.name for b in split.blocks] == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm",
+                                              "lm_head"]  # fmt: skip
+    assert split.params == sum(p.numel() for p in network.parameters())
+    norms = sum(p.numel() for n, p in network.named_parameters() if "norm" in n)
+    assert sum(b.tp_params for b in split.blocks) == split.params - norms
+    head = split.blocks[-1]
+    assert head.outside_activations >= 16 * 64  # the log-softmax of 16 tokens x 64 logits, per sample
+    assert head.tp_outside_activations == head.outside_activations and whole.blocks[-1].tp_outside_activations == 0
+    for dp in (1, 8):  # FSDP2 replicas over dp8: the base model gathered as one unit beside the LM head
+        strategy = lp.TensorParallelStrategy(tensor_parallel_size=2, data_parallel_size=dp)
+        (row,) = lp.dry_run(module, strategy, devices=2 * dp, batch={"input_ids": ids}).rows
+        assert row.miss is not None and abs(row.miss) < 0.05, (dp, row.measured, row.predicted)

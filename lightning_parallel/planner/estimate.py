@@ -27,7 +27,7 @@ class _Rank:
     """One pipeline rank's aggregated figures at a given tensor-parallel size (per sample where noted)."""
 
     params: float  # local parameters (tensor shard), before any data-parallel sharding
-    largest_block: float  # local parameters of its largest block (what FSDP gathers at once)
+    replica_units: tuple[tuple[int, float], ...]  # each FSDP2 unit: its first block's index here, local parameters
     fixed: float  # seconds per micro-batch that do not scale with its size, computing alone
     per_sample: float  # seconds per sample, computing alone
     comm_fixed: float  # network seconds per micro-batch of its tensor-parallel collectives
@@ -100,10 +100,11 @@ class CostModel:
 
     def _rank(self, split: tuple[tuple[int, ...], ...], stages: list[int], tp: int) -> _Rank:
         hw, net = self.hardware, self.hardware.network
-        fixed = per_sample = comm_fixed = comm_per_sample = activations = rebuilt = params = largest = 0.0
+        fixed = per_sample = comm_fixed = comm_per_sample = activations = rebuilt = params = 0.0
         count = collectives = 0
         block_params: list[float] = []
         block_activations: list[float] = []
+        units: list[tuple[str, int, float]] = []  # FSDP2 units: (name, first block here, local parameters)
         checkpointed = checkpointed_kinds(self.workload.blocks)
         for index in (i for s in stages for i in split[s]):
             block = self.workload.blocks[index]
@@ -113,7 +114,10 @@ class CostModel:
             local = block.params - block.tp_params + block.tp_params / tp
             params += local
             block_params.append(local)
-            largest = max(largest, local)
+            if units and block.replica_unit and units[-1][0] == block.replica_unit:
+                units[-1] = (block.replica_unit, units[-1][1], units[-1][2] + local)
+            else:
+                units.append((block.replica_unit, count, local))
             count += 1
             shard = 1.0 - (block.tp_flops / block.flops if block.flops else 0.0) * (1.0 - 1.0 / tp)
             if block.seconds is not None:
@@ -131,10 +135,9 @@ class CostModel:
                 comm_fixed += fixed_s
                 collectives += 1
                 comm_per_sample += per_byte * elements * self.act_bytes
-        return _Rank(
-            params, largest, fixed, per_sample, comm_fixed, collectives, comm_per_sample, activations, rebuilt, count,
-            tuple(block_params), tuple(block_activations),
-        )  # fmt: skip
+        sums = (fixed, per_sample, comm_fixed, collectives, comm_per_sample, activations, rebuilt, count)
+        replicas = tuple((start, size) for _, start, size in units)
+        return _Rank(params, replicas, *sums, tuple(block_params), tuple(block_activations))
 
     # ---- one layout ------------------------------------------------------------------------------
     def estimate(self, layout: Layout, *, batch: int) -> Estimate:
@@ -269,7 +272,8 @@ class CostModel:
         for rank, figures in enumerate(ranks):
             first, after = in_flight[min(rank, len(in_flight) - 1)]
             held = RankBytes(figures.block_params, figures.block_activations, figures.rematerialised,
-                             figures.largest_block)  # fmt: skip
+                             [size for _, size in figures.replica_units],
+                             [start for start, _ in figures.replica_units])  # fmt: skip
             memories.append(
                 rank_memory(
                     held,

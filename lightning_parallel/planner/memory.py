@@ -18,12 +18,21 @@ class RankBytes:
     params: Sequence[float]  # parameters per block
     activations: Sequence[float]  # bytes each block keeps per sample until its backward
     rematerialised: float  # bytes per sample one checkpointed block rebuilds during its backward (the largest)
-    largest_block: float  # parameters of its largest block (what FSDP2 gathers at once)
+    replica_units: Sequence[float]  # parameters of each FSDP2 unit (gathered at once), in forward order
+    unit_starts: Sequence[int]  # the index of each unit's first block
 
 
-def peak_of_step(grads: Sequence[float], micro_acts: Sequence[float], *, at_first_grad: int, with_grads: int) -> float:
-    """The most bytes gradients and activations hold together over a rank's step (``grads``, ``micro_acts``: per
-    block, in forward order; activations of one micro-batch of the rank's stages).
+def peak_of_step(
+    grads: Sequence[float],
+    micro_acts: Sequence[float],
+    *,
+    at_first_grad: int,
+    with_grads: int,
+    transients: Sequence[float] = (),
+) -> float:
+    """The most bytes gradients and activations hold together over a rank's step (``grads``, ``micro_acts``,
+    ``transients``: per block, in forward order; activations of one micro-batch of the rank's stages; what a block's
+    backward holds only while it runs, e.g. FSDP2's gathered unit).
 
     Gradients are whole from the rank's first backward on (they accumulate over micro-batches), beside at most
     ``with_grads`` micro-batches' activations; during that first backward each block's gradient appears as its
@@ -32,8 +41,13 @@ def peak_of_step(grads: Sequence[float], micro_acts: Sequence[float], *, at_firs
     whole_grads, one = sum(grads), sum(micro_acts)
     kept = list(itertools.accumulate(micro_acts))  # activations left when the backward reaches block i
     made = list(itertools.accumulate(reversed(grads)))[::-1]  # gradients made by then (blocks i and after)
-    sweep = max((a + g for a, g in zip(kept, made, strict=True)), default=0.0)
-    return max(with_grads * one + whole_grads, (at_first_grad - 1) * one + sweep)
+    extra = list(transients) or [0.0] * len(kept)
+    sweep = max((a + g + t for a, g, t in zip(kept, made, extra, strict=True)), default=0.0)
+    first = (at_first_grad - 1) * one + sweep
+    if with_grads == 0:
+        return first
+    steady = max((a + t for a, t in zip(kept, extra, strict=True)), default=0.0)  # a later backward's worst point
+    return max(first, whole_grads + max(with_grads * one, (with_grads - 1) * one + steady))
 
 
 def rank_memory(
@@ -58,16 +72,21 @@ def rank_memory(
     params = sum(rank.params) / shard
     grads = [p / shard * grad_bytes for p in rank.params]
     micro_acts = [a * micro / stages_per_rank for a in rank.activations]
-    peak = peak_of_step(grads, micro_acts, at_first_grad=at_first_grad, with_grads=with_grads)
-    # FSDP2 in backward: this block's parameters and the next one's (prefetched) gathered whole beside the shards,
-    # this block's whole gradients and their copy into the reduce-scatter's flat input (foreach_reduce's chunk_cat)
-    whole = rank.largest_block if shard > 1 else 0.0
+    # FSDP2, at the end of a unit's backward (its first block's): its parameters and the unit before it (prefetched)
+    # gathered whole, its whole gradients and their copy into the reduce-scatter's flat input (chunk_cat)
+    transients = [0.0] * len(grads)
+    if shard > 1:
+        units = list(rank.replica_units)
+        for start, p, b in zip(rank.unit_starts, units, [0.0, *units[:-1]], strict=True):
+            transients[start] = (p + b) * param_bytes + 2 * p * grad_bytes
+    peak = peak_of_step(grads, micro_acts, at_first_grad=at_first_grad, with_grads=with_grads, transients=transients)
+    gathered = max(transients, default=0.0)
     memory = {
         "params": params * param_bytes,
         "grads": params * grad_bytes,
         "optimizer": params * optimizer_states * state_bytes,
-        "activations": peak - sum(grads) + rank.rematerialised * micro,
-        "gathered": whole * 2 * (param_bytes + grad_bytes),
+        "activations": peak - sum(grads) - gathered + rank.rematerialised * micro,
+        "gathered": gathered,
     }
     memory["total"] = sum(memory.values())
     return memory
