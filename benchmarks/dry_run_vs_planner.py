@@ -1,7 +1,7 @@
 """The planner's memory per pipeline rank against the dry run's measurement (`train.py ... dry_run=true`: the real
-set-up and one step on the fake process group with fake tensors), for zoo GPTs of 8B and 66B shapes at 8 to 512 ranks.
-Writes results/dry_run_vs_planner.{json,md}. Llama through transformers is left out: the planner analyses only
-nn.Sequential networks, so such a row would have no prediction to check.
+set-up and one step on the fake process group with fake tensors), for zoo GPTs of 8B and 66B shapes at 8 to 512 ranks
+and transformers' Llama-3 8B and 70B shapes (from `LlamaConfig`, loss from labels) at 8 to 256 ranks, tensor and
+FSDP2 x tensor layouts (each its own process: `--llama SIZE TP DP DIR`). Writes results/dry_run_vs_planner.{json,md}.
 Usage: .venv/bin/python benchmarks/dry_run_vs_planner.py [--quick] [--rows NAME ...]
 """
 
@@ -31,7 +31,18 @@ def layout(model: list[str], strategy: str, *, pp: int = 1, tp: int = 1, dp: int
     return [*model, "strategy=pipeline", *sizes, f"strategy.pipeline_parallel_size={pp}", *fsdp]
 
 
-ROWS: dict[str, list[str]] = {  # name -> overrides
+LLAMA = {  # Llama-3's published shapes
+    "8B": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32},
+    "70B": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64},
+}
+
+
+def llama(size: str, *, tp: int, dp: int = 1) -> list[str]:
+    """A Llama row, run by this script's `--llama` mode: the tensor strategy, FSDP2 replicas where dp > 1."""
+    return ["--llama", size, str(tp), str(dp)]
+
+
+ROWS: dict[str, list[str]] = {  # name -> overrides (or this script's --llama arguments)
     "8B tp8 (8 ranks)": layout(GPT_8B, "tensor", tp=8),
     "8B pp4 x tp2 (8 ranks)": layout(GPT_8B, "pipeline", pp=4, tp=2),
     "8B dp2 x pp2 x tp2 fsdp (8 ranks)": layout(GPT_8B, "pipeline", pp=2, tp=2, dp=2),
@@ -39,6 +50,10 @@ ROWS: dict[str, list[str]] = {  # name -> overrides
     "8B dp8 x pp4 x tp2 fsdp (64 ranks)": layout(GPT_8B, "pipeline", pp=4, tp=2, dp=8, nodes=8),
     "8B pp4 x tp2, seq 2048 (8 ranks)": [*layout(GPT_8B, "pipeline", pp=4, tp=2), "data.seq_len=2048"],
     "66B dp64 x pp4 x tp2 fsdp (512 ranks)": layout(GPT_66B, "pipeline", pp=4, tp=2, dp=64, nodes=64),
+    "Llama-3-8B tp8 (8 ranks)": llama("8B", tp=8),
+    "Llama-3-8B dp8 x tp8 fsdp (64 ranks)": llama("8B", tp=8, dp=8),
+    "Llama-3-70B dp8 x tp8 fsdp (64 ranks)": llama("70B", tp=8, dp=8),
+    "Llama-3-70B dp32 x tp8 fsdp (256 ranks)": llama("70B", tp=8, dp=32),
 }
 QUICK = ("8B pp4 x tp2 (8 ranks)", "8B dp2 x pp2 x tp2 fsdp (8 ranks)")
 KEYS = ("params", "grads", "optimizer", "activations", "total")
@@ -49,12 +64,46 @@ def dry_run(overrides: list[str], timeout: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         command = [sys.executable, str(ROOT / "train.py"), *DATA, *overrides, "trainer.accelerator=cpu", "dry_run=true",
                    f"hydra.run.dir={tmp}/run"]  # fmt: skip
+        if overrides[0] == "--llama":
+            command = [sys.executable, __file__, *overrides, f"{tmp}/run"]
         started = time.perf_counter()
         code, output = run(command, timeout=timeout, env=THREADS_ENV, cwd=Path(tmp))
         report = Path(tmp) / "run" / "dry_run.json"
         if code != 0 or not report.exists():
             return {"error": one_line(output, code)}
         return json.loads(report.read_text()) | {"wall_s": time.perf_counter() - started}
+
+
+def llama_dry_run(size: str, tp: int, dp: int, directory: str) -> None:
+    """`--llama`: `lightning_parallel.dry_run` of a LlamaForCausalLM of `size`'s shapes (built on meta, no weights;
+    loss from labels, AdamW) under the tensor strategy, with this benchmark's batch; writes `directory/dry_run.json`."""
+    import lightning.pytorch as pl
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import lightning_parallel as lp
+
+    class CausalLM(pl.LightningModule):
+        def __init__(self, network: torch.nn.Module) -> None:
+            super().__init__()
+            self.network = network
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return self.network(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    config = LlamaConfig(vocab_size=128_256, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500_000.0,
+                         tie_word_embeddings=False, **LLAMA[size])  # fmt: skip
+    with torch.device("meta"):
+        network = LlamaForCausalLM(config)
+    settings = dict(item.split("=") for item in DATA)
+    ids = torch.randint(0, config.vocab_size, (int(settings["data.batch_size"]), int(settings["data.seq_len"])))
+    strategy = lp.TensorParallelStrategy(tensor_parallel_size=tp, data_parallel_size=dp)
+    world = tp * dp
+    lp.dry_run(CausalLM(network), strategy, devices=min(world, 8), num_nodes=max(1, world // 8),
+               batch={"input_ids": ids, "labels": ids}, output_dir=directory)  # fmt: skip
 
 
 def miss(row: dict[str, Any], key: str) -> float | None:
@@ -93,8 +142,10 @@ def table(rows: list[dict[str, Any]], wall_s: float) -> str:
             )
     lines += [
         "",
-        "Llama-3 rows (transformers' LlamaForCausalLM) are not here: the planner analyses only nn.Sequential networks, "
-        "so they have no prediction (the dry run measures them: `lightning_parallel.dry_run`).",
+        "Llama-3 rows: transformers' LlamaForCausalLM from `LlamaConfig` at the published shapes (128,256-token "
+        "vocabulary, 8 key-value heads), its loss from labels; the planner analyses it from one call on fake tensors "
+        "(`planner/call_analysis.py`). Pipeline layouts of Llama are left out: the dry run refuses traced pipeline "
+        "stages for now.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -108,7 +159,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument("--rows", nargs="*", help="only these rows (names as in ROWS)")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--llama", nargs=4, metavar=("SIZE", "TP", "DP", "DIR"), help="one Llama row's dry run")
     args = parser.parse_args()
+    if args.llama:
+        size, tp, dp, directory = args.llama
+        return llama_dry_run(size, int(tp), int(dp), directory)
     names = [n for n in ROWS if (not args.quick or n in QUICK) and (not args.rows or n in args.rows)]
     started = time.perf_counter()
     rows = []

@@ -58,6 +58,17 @@ def initialise_fsdp_root(module: torch.nn.Module) -> None:
     )()
 
 
+def dispatch_mode() -> tuple[Any, Callable[[Any], list[Any]], Callable[[Any], bool]]:
+    """torch's `TorchDispatchMode` (the base of a mode that sees every op), `tree_leaves` and
+    `is_traceable_wrapper_subclass` (a DTensor's shard holds its storage), for the dry run's live-byte count."""
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+        from torch.utils._pytree import tree_leaves
+    except ImportError as error:
+        raise changed("torch", "torch.utils._python_dispatch.TorchDispatchMode", "count a dry run's bytes") from error
+    return TorchDispatchMode, tree_leaves, is_traceable_wrapper_subclass
+
+
 def shape_inference(schedule: object) -> tuple[str, Callable[..., Any]]:
     """The name and method of torch.distributed.pipelining's first-step shape inference, which runs an extra forward
     that the runtime must keep from touching BatchNorm statistics and user code: `_initialize_pp_stages` from torch

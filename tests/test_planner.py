@@ -162,7 +162,10 @@ def test_data_parallel_sharding_divides_states_and_activations_follow_the_schedu
     ddp = model.estimate(Layout(dp=4), batch=8)
     fsdp = model.estimate(Layout(dp=4, dp_shard=True), batch=8)
     assert fsdp.memory["optimizer"] == pytest.approx(ddp.memory["optimizer"] / 4)
-    assert fsdp.memory["activations"] == ddp.memory["activations"]
+    assert fsdp.memory["grads"] == pytest.approx(ddp.memory["grads"] / 4)
+    # the same activations beside a quarter of the gradients: their peak together is lower, but not by more
+    together = [e.memory["grads"] + e.memory["activations"] for e in (ddp, fsdp)]
+    assert together[0] - 0.75 * ddp.memory["grads"] <= together[1] < together[0]
     gpipe = model.estimate(Layout(dp=1, pp=4, schedule="gpipe", microbatches=8), batch=8)
     one_f_one_b = model.estimate(Layout(dp=1, pp=4, schedule="1f1b", microbatches=8), batch=8)
     assert gpipe.memory["activations"] > 1.5 * one_f_one_b.memory["activations"]  # 8 micro-batches held, not 4
@@ -454,3 +457,53 @@ def test_a_plain_data_parallel_winner_is_told_the_sync_trade_off() -> None:
     pipelined = plan(workload, devices=4, hardware=H100, global_batch=256)
     assert pipelined.best is not None and pipelined.best.layout.pp > 1
     assert "Trade-off" not in pipelined.explain()
+
+
+def test_gradients_and_activations_peak_apart_as_the_schedule_holds_them() -> None:
+    """A rank's gradients are whole from its first backward on: at one stage (and in an all-forwards-first order)
+    they grow while the activations go, so the step holds the worse end of that sweep, not both whole; where
+    forwards follow that backward (1F1B), the schedule's in-flight activations sit beside the whole gradients."""
+    from lightning_parallel.planner.memory import peak_of_step
+
+    grads, acts = [4.0, 4.0, 4.0], [1.0, 1.0, 1.0]
+    assert peak_of_step(grads, acts, at_first_grad=1, with_grads=0) == 12.0 + 1.0  # whole grads + block 0's acts
+    assert peak_of_step(acts, grads, at_first_grad=1, with_grads=0) == 12.0 + 1.0  # whole acts + the last block's
+    assert peak_of_step(grads, acts, at_first_grad=3, with_grads=3) == 12.0 + 3 * 3.0  # 1F1B's steady state
+    assert peak_of_step(grads, acts, at_first_grad=4, with_grads=0) == 3 * 3.0 + 13.0  # GPipe: the last sweep
+    workload = gpt_workload(depth=8, width=256, heads=8, vocab_size=512, seq_len=128)
+    model = CostModel(workload, H100)  # fp32: 26 MB of gradients; 17 MB of activations per sample
+    for batch in (1, 4):  # gradients outweigh the activations, then the other way round
+        memory = model.estimate(Layout(dp=1), batch=batch).memory
+        whole = sum(block.activations for block in workload.blocks) * batch * 4
+        assert memory["activations"] + memory["grads"] < 0.8 * (whole + memory["grads"]), (batch, memory, whole)
+
+
+def test_a_transformers_model_is_analysed_from_its_own_call() -> None:
+    """A LlamaForCausalLM (not an nn.Sequential): its units in the order they run (embedding, each decoder layer,
+    norm, head), every parameter once, the plan's shards split over tp, the loss's saved logits after the head
+    (split by vocabulary only where the vocabulary-parallel loss runs), and the planner's memory for tp2 and dp8 x tp2
+    within 5% of the dry run's."""
+    import lightning_parallel as lp
+    from lightning_parallel.parallelize.plan import resolve_plan
+    from lightning_parallel.planner.call_analysis import workload_from_call
+    from tests.hf_modules import HFLlama
+
+    with torch.device("meta"):
+        module = HFLlama()
+    network = module.model
+    plan = resolve_plan(network, None, tensor_parallel_size=2, sequence_parallel=False)[1]
+    ids = torch.randint(0, 64, (8, 16))
+    split = workload_from_call(network, (), {"input_ids": ids, "labels": ids}, styles=plan)
+    whole = workload_from_call(network, (), {"input_ids": ids, "labels": ids}, styles=plan, vocab_parallel_loss=False)
+    assert [b.name for b in split.blocks] == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm",
+                                              "lm_head"]  # fmt: skip
+    assert split.params == sum(p.numel() for p in network.parameters())
+    norms = sum(p.numel() for n, p in network.named_parameters() if "norm" in n)
+    assert sum(b.tp_params for b in split.blocks) == split.params - norms
+    head = split.blocks[-1]
+    assert head.outside_activations >= 16 * 64  # the log-softmax of 16 tokens x 64 logits, per sample
+    assert head.tp_outside_activations == head.outside_activations and whole.blocks[-1].tp_outside_activations == 0
+    for dp in (1, 8):  # FSDP2 replicas over dp8: the base model gathered as one unit beside the LM head
+        strategy = lp.TensorParallelStrategy(tensor_parallel_size=2, data_parallel_size=dp)
+        (row,) = lp.dry_run(module, strategy, devices=2 * dp, batch={"input_ids": ids}).rows
+        assert row.miss is not None and abs(row.miss) < 0.05, (dp, row.measured, row.predicted)

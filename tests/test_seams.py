@@ -50,6 +50,8 @@ def test_the_installed_torch_has_every_seam() -> None:
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState  # initialise_fsdp_root's part
 
     assert callable(seams.private_method(FSDPState(), "_lazy_init", library="torch", why="", parameters=0))
+    mode, leaves, is_wrapper = seams.dispatch_mode()  # the dry run's live-byte count
+    assert isinstance(mode, type) and leaves(((1,), {"a": 2})) == [1, 2] and not is_wrapper(x)
 
 
 class _Gone:

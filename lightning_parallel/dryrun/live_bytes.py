@@ -15,12 +15,15 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_parallel.seams import dispatch_mode
 
-class LiveBytes(TorchDispatchMode):
+_MODE: Any  # torch's private TorchDispatchMode, reached through the seams
+_MODE, tree_leaves, is_traceable_wrapper_subclass = dispatch_mode()
+
+
+class LiveBytes(_MODE):
     """`with LiveBytes(held) as live: ...`; then `live.peak`: the most bytes alive at once, counting the storages of
     `held` (what existed before, e.g. the parameters: known, so an in-place op on one does not count it again) and
     every storage an op made since, until it was freed."""
@@ -63,7 +66,7 @@ class LiveBytes(TorchDispatchMode):
 
     def _count(self, tensor: torch.Tensor) -> None:
         if is_traceable_wrapper_subclass(tensor):  # a DTensor: its local shard holds the storage
-            names, _ = tensor.__tensor_flatten__()
+            names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
             for inner in (getattr(tensor, name) for name in names):
                 if isinstance(inner, torch.Tensor):
                     self._count(inner)

@@ -11,10 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_parallel.parallelize.plan import resolve_plan
 from lightning_parallel.planner import CostModel, Layout, Workload, workload_from_module
+from lightning_parallel.planner.call_analysis import workload_from_call
 from lightning_parallel.planner.presets import hardware_preset
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
+from lightning_parallel.strategies.tensor import TensorParallelStrategy
 
 
 def layout_of(strategy: MeshStrategy) -> Layout:
@@ -36,16 +39,34 @@ def layout_of(strategy: MeshStrategy) -> Layout:
     return Layout(dp=dims.dp, tp=dims.tp, dp_shard=dims.dp > 1)
 
 
-def workload_of(network: nn.Module, inputs: tuple[Any, ...] | None) -> Workload | None:
-    """The planner's figures for the network, or None where it cannot analyse it (not an `nn.Sequential`, or no
-    single tensor input)."""
-    if not isinstance(network, nn.Sequential) or not inputs or not torch.is_tensor(inputs[0]):
+def workload_of(
+    network: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], strategy: MeshStrategy
+) -> Workload | None:
+    """The planner's figures for the network: an `nn.Sequential` block by block (`planner.workload_from_module`),
+    any other network from one call on its inputs (`planner.workload_from_call`, the tensor plan the strategy
+    resolves); None without a tensor input, or at pp > 1 for a network that is not an `nn.Sequential` (its stages
+    are traced, and the planner's split would not be theirs)."""
+    if isinstance(network, nn.Sequential):
+        if not args or not torch.is_tensor(args[0]):
+            return None
+        sample = args[0].to("meta")
+        if sample.shape[0] < 2:
+            sample = sample[:1].expand(2, *sample.shape[1:])
+        return workload_from_module(copy.deepcopy(network).to("meta"), sample)
+    tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
+    if strategy.dims.pp > 1 or not tensors or tensors[0].dim() == 0 or tensors[0].shape[0] < 2:
         return None
-    sample = inputs[0].to("meta")
-    if sample.shape[0] < 2:
-        sample = sample[:1].expand(2, *sample.shape[1:])
-    meta = copy.deepcopy(network).to("meta")
-    return workload_from_module(meta, sample)
+    tp = strategy.dims.tp
+    parallel = bool(getattr(strategy, "sequence_parallel", False))
+    given = getattr(strategy, "plan", None)
+    plan = resolve_plan(network, given, tensor_parallel_size=tp, sequence_parallel=parallel)[1] if tp > 1 else {}
+    return workload_from_call(network, args, kwargs, styles=plan, vocab_parallel_loss=not _fsdp(strategy))
+
+
+def _fsdp(strategy: MeshStrategy) -> bool:
+    """FSDP2 replicas (which gather the logits the vocabulary-parallel loss would keep split)."""
+    replicas = "fsdp" if isinstance(strategy, TensorParallelStrategy) else getattr(strategy, "replicas", None)
+    return strategy.dims.dp > 1 and replicas == "fsdp"
 
 
 def predict(

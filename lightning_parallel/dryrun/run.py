@@ -63,9 +63,10 @@ def dry_run(
     if isinstance(strategy, PipelineParallelStrategy) and dims.pp > 1:
         boundaries, _ = stage_boundaries(module, strategy, batch)
     network = strategy.network_of(module)
-    inputs = _network_inputs(module, strategy, batch)
-    workload = workload_of(network, inputs)
-    rows_per_batch = int(inputs[0].shape[0]) if inputs and torch.is_tensor(inputs[0]) else 1
+    args, kwargs = _network_inputs(module, strategy, batch)
+    workload = workload_of(network, args, kwargs, strategy)
+    first = next((t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim()), None)
+    rows_per_batch = int(first.shape[0]) if first is not None else 1
     predicted = (
         predict(workload, strategy, batch=rows_per_batch, precision=precision, hardware=hardware)
         if workload is not None
@@ -82,19 +83,21 @@ def dry_run(
         strategy=type(strategy).__name__,
         rows=rows,
         limit=device_limit(device_memory),
-        planner=workload.name if workload is not None else f"none ({type(network).__name__} is not an nn.Sequential)",
+        planner=workload.name if workload is not None else f"none (no analysis of {type(network).__name__} here)",
     )
     if output_dir is not None:
         result.write(Path(output_dir) / "dry_run.json")
     return result
 
 
-def _network_inputs(module: pl.LightningModule, strategy: MeshStrategy, batch: Any) -> tuple[Any, ...] | None:
-    """The tensors the network receives from one batch (through the user's step, stopped at the network)."""
+def _network_inputs(
+    module: pl.LightningModule, strategy: MeshStrategy, batch: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """What the network receives from one batch, positional and keyword (the user's step, stopped at the network)."""
     from lightning_parallel.strategies.user_step import capture_network_inputs
 
     if batch is None:
-        return None
+        return (), {}
     network = strategy.network_of(module)
     args, kwargs = capture_network_inputs(lambda: module.training_step(batch, 0), network, module)
-    return tuple(args) or tuple(kwargs.values())
+    return tuple(args), dict(kwargs)

@@ -46,7 +46,9 @@ def tracked_step(module: pl.LightningModule, run: Callable[[], None]) -> dict[st
     the first: the optimizer's state (made at its first step) is there through forward and backward."""
     optimizer = optimizer_of(module)
     _make_state(module, optimizer)
-    with LiveBytes([*module.parameters(), *module.buffers()]) as live, ExitStack() as stack:
+    state = [v for values in optimizer.state.values() for v in values.values() if torch.is_tensor(v)]
+    # held from the start: the parameters, buffers and the optimizer's state (alive through forward and backward)
+    with LiveBytes([*module.parameters(), *module.buffers(), *state]) as live, ExitStack() as stack:
         then_by_kind(run, optimizer, stack)()  # the update sees one parameter kind at a time, as in a real step
         optimizer.step()
     grads = sum(_bytes(p.grad) for p in module.parameters() if p.grad is not None)

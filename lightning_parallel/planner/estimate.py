@@ -16,7 +16,8 @@ from lightning_parallel.pipeline.schedule_plan import resolve_schedule
 from lightning_parallel.planner.checkpointing import MODES as CHECKPOINTING
 from lightning_parallel.planner.checkpointing import checkpointed_kinds, kept_and_rematerialised, recompute_factor
 from lightning_parallel.planner.hardware import Hardware, precision_bytes
-from lightning_parallel.planner.layout import Estimate, Layout
+from lightning_parallel.planner.layout import Estimate, Layout, check_layout
+from lightning_parallel.planner.memory import RankBytes, rank_memory
 from lightning_parallel.planner.schedule_costs import schedule_cost
 from lightning_parallel.planner.workload import Workload
 
@@ -26,7 +27,7 @@ class _Rank:
     """One pipeline rank's aggregated figures at a given tensor-parallel size (per sample where noted)."""
 
     params: float  # local parameters (tensor shard), before any data-parallel sharding
-    largest_block: float  # local parameters of its largest block (what FSDP gathers at once)
+    replica_units: tuple[tuple[int, float], ...]  # each FSDP2 unit: its first block's index here, local parameters
     fixed: float  # seconds per micro-batch that do not scale with its size, computing alone
     per_sample: float  # seconds per sample, computing alone
     comm_fixed: float  # network seconds per micro-batch of its tensor-parallel collectives
@@ -35,6 +36,8 @@ class _Rank:
     activations: float  # bytes saved per sample over all its stages
     rematerialised: float  # bytes per sample one checkpointed block rebuilds during its backward (the largest)
     blocks: int
+    block_params: tuple[float, ...] = ()  # local parameters per block, in forward order
+    block_activations: tuple[float, ...] = ()  # bytes kept per sample per block, in forward order
 
 
 class CostModel:
@@ -97,8 +100,11 @@ class CostModel:
 
     def _rank(self, split: tuple[tuple[int, ...], ...], stages: list[int], tp: int) -> _Rank:
         hw, net = self.hardware, self.hardware.network
-        fixed = per_sample = comm_fixed = comm_per_sample = activations = rebuilt = params = largest = 0.0
+        fixed = per_sample = comm_fixed = comm_per_sample = activations = rebuilt = params = 0.0
         count = collectives = 0
+        block_params: list[float] = []
+        block_activations: list[float] = []
+        units: list[tuple[str, int, float]] = []  # FSDP2 units: (name, first block here, local parameters)
         checkpointed = checkpointed_kinds(self.workload.blocks)
         for index in (i for s in stages for i in split[s]):
             block = self.workload.blocks[index]
@@ -107,7 +113,11 @@ class CostModel:
             recompute = recompute_factor(mode)
             local = block.params - block.tp_params + block.tp_params / tp
             params += local
-            largest = max(largest, local)
+            block_params.append(local)
+            if units and block.replica_unit and units[-1][0] == block.replica_unit:
+                units[-1] = (block.replica_unit, units[-1][1], units[-1][2] + local)
+            else:
+                units.append((block.replica_unit, count, local))
             count += 1
             shard = 1.0 - (block.tp_flops / block.flops if block.flops else 0.0) * (1.0 - 1.0 / tp)
             if block.seconds is not None:
@@ -118,15 +128,16 @@ class CostModel:
                 per_sample += block.flops * shard / self.rate * recompute
             kept, rebuilding = kept_and_rematerialised(block, tp, mode, block_input)
             activations += kept * self.act_bytes
+            block_activations.append(kept * self.act_bytes)
             rebuilt = max(rebuilt, rebuilding * self.act_bytes)
             for kind, elements in block.collectives if tp > 1 else ():
                 fixed_s, per_byte = net.collective_terms(kind, tp, 1)
                 comm_fixed += fixed_s
                 collectives += 1
                 comm_per_sample += per_byte * elements * self.act_bytes
-        return _Rank(
-            params, largest, fixed, per_sample, comm_fixed, collectives, comm_per_sample, activations, rebuilt, count
-        )
+        sums = (fixed, per_sample, comm_fixed, collectives, comm_per_sample, activations, rebuilt, count)
+        replicas = tuple((start, size) for _, start, size in units)
+        return _Rank(params, replicas, *sums, tuple(block_params), tuple(block_activations))
 
     # ---- one layout ------------------------------------------------------------------------------
     def estimate(self, layout: Layout, *, batch: int) -> Estimate:
@@ -146,10 +157,11 @@ class CostModel:
                 microbatches=layout.microbatches,
                 stages_per_rank=layout.stages_per_rank,
             )
-            bubble, in_flight, actions, exact = cost.bubble, cost.in_flight, cost.actions, cost.exact
+            bubble, actions, exact = cost.bubble, cost.actions, cost.exact
             stretch = self._stretch(layout, cost.busy_ranks)
-        else:
-            bubble, in_flight, actions, exact, stretch = 0.0, (1,), 0, True, 1.0
+            in_flight = tuple(zip(cost.at_first_grad, cost.with_grads, strict=True))
+        else:  # one backward, then no forward beside the gradients
+            bubble, in_flight, actions, exact, stretch = 0.0, ((1, 0),), 0, True, 1.0
         time = self._time(layout, ranks, stages, micro, bubble, actions, stretch)
         per_rank = self._memories(layout, ranks, micro, in_flight)
         memory = max(per_rank, key=lambda m: m["total"])
@@ -167,23 +179,9 @@ class CostModel:
         )
 
     def check(self, layout: Layout, *, batch: int) -> None:
-        """Raise ValueError (one line) when the layout cannot run this workload."""
-        blocks = len(self.workload.blocks)
-        if self.workload.tp_modulus % layout.tp:
-            raise ValueError(
-                f"tp={layout.tp} does not divide the sharded sizes of {self.workload.name} (their gcd is "
-                f"{self.workload.tp_modulus}). HINT: use a tp that divides {self.workload.tp_modulus}"
-            )
-        if layout.pp * layout.stages_per_rank > blocks:
-            raise ValueError(
-                f"pp={layout.pp} x stages_per_rank={layout.stages_per_rank} stages exceed the {blocks} blocks of "
-                f"{self.workload.name}. HINT: use at most {blocks} stages"
-            )
-        if batch < 1 or batch % layout.microbatches:
-            raise ValueError(
-                f"{layout.microbatches} micro-batches do not divide {batch} samples per replica. "
-                "HINT: use a micro-batch count that divides the batch"
-            )
+        """Raise ValueError (one line) when the layout cannot run this workload (``layout.check_layout``)."""
+        check_layout(layout, batch=batch, name=self.workload.name, blocks=len(self.workload.blocks),
+                     tp_modulus=self.workload.tp_modulus)  # fmt: skip
 
     def _time(
         self,
@@ -265,26 +263,27 @@ class CostModel:
         return 3 * worst.blocks * fixed + traffic
 
     def _memories(
-        self, layout: Layout, ranks: Sequence[_Rank], micro: int, in_flight: Sequence[int]
+        self, layout: Layout, ranks: Sequence[_Rank], micro: int, in_flight: Sequence[tuple[int, int]]
     ) -> list[dict[str, float]]:
-        """Per pipeline rank: bytes of (sharded) parameters, gradients, optimizer state, activations and FSDP2's
-        whole blocks beyond the shards ("gathered"), and their total."""
-        shard = layout.dp if layout.dp_shard else 1
-        v = layout.stages_per_rank
+        """Per pipeline rank: ``memory.rank_memory`` with the schedule's in-flight counts (at its first backward,
+        beside its gradients)."""
+        sizes = (self.param_bytes, self.grad_bytes, self.state_bytes)
         memories = []
         for rank, figures in enumerate(ranks):
-            params = figures.params / shard
-            # FSDP2 in backward: this block's parameters and the next one's (prefetched) gathered whole beside the
-            # shards, and this block's whole gradient as the reduce-scatter's input (the dry run measures 3 blocks)
-            whole = figures.largest_block if shard > 1 else 0.0
-            held = in_flight[min(rank, len(in_flight) - 1)] / v if layout.pp > 1 else 1.0
-            memory = {
-                "params": params * self.param_bytes,
-                "grads": params * self.grad_bytes,
-                "optimizer": params * self.optimizer_states * self.state_bytes,
-                "activations": figures.activations * micro * held + figures.rematerialised * micro,
-                "gathered": whole * (2 * self.param_bytes + self.grad_bytes),
-            }
-            memory["total"] = sum(memory.values())
-            memories.append(memory)
+            first, after = in_flight[min(rank, len(in_flight) - 1)]
+            held = RankBytes(figures.block_params, figures.block_activations, figures.rematerialised,
+                             [size for _, size in figures.replica_units],
+                             [start for start, _ in figures.replica_units])  # fmt: skip
+            memories.append(
+                rank_memory(
+                    held,
+                    micro=micro,
+                    shard=layout.dp if layout.dp_shard else 1,
+                    stages_per_rank=layout.stages_per_rank,
+                    at_first_grad=first,
+                    with_grads=after,
+                    sizes=sizes,
+                    optimizer_states=self.optimizer_states,
+                )
+            )
         return memories

@@ -91,3 +91,23 @@ class Estimate:
     def communication(self) -> float:
         """Seconds per step spent in exposed communication."""
         return self.time["tp_comm"] + self.time["pp_comm"] + self.time["dp_comm"]
+
+
+def check_layout(layout: Layout, *, batch: int, name: str, blocks: int, tp_modulus: int) -> None:
+    """Raise ValueError (one line) when ``layout`` cannot run a workload called ``name`` of ``blocks`` blocks whose
+    sharded sizes have the gcd ``tp_modulus``, with ``batch`` samples per replica."""
+    if tp_modulus % layout.tp:
+        raise ValueError(
+            f"tp={layout.tp} does not divide the sharded sizes of {name} (their gcd is {tp_modulus}). HINT: use a tp "
+            f"that divides {tp_modulus}"
+        )
+    if layout.pp * layout.stages_per_rank > blocks:
+        raise ValueError(
+            f"pp={layout.pp} x stages_per_rank={layout.stages_per_rank} stages exceed the {blocks} blocks of {name}. "
+            f"HINT: use at most {blocks} stages"
+        )
+    if batch < 1 or batch % layout.microbatches:
+        raise ValueError(
+            f"{layout.microbatches} micro-batches do not divide {batch} samples per replica. "
+            "HINT: use a micro-batch count that divides the batch"
+        )

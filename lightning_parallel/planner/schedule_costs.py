@@ -27,6 +27,10 @@ class ScheduleCost:
     Args:
         bubble: Idle fraction of a step under unit costs (forward 1, backward 2): ``pipeline.analytic_bubble``.
         in_flight: Per pipeline rank, the peak number of (stage, micro-batch) pairs holding activations.
+        at_first_grad: Per pipeline rank, the pairs holding activations when its first gradient-making backward (B or
+            W) starts, that one included (the rank's gradients do not exist before it).
+        with_grads: Per pipeline rank, the peak pairs holding activations at a forward after that first backward,
+            beside the whole gradients (0: no forward follows, e.g. GPipe's all-forwards-first order).
         actions: Actions per (stage, micro-batch): 2 (forward, backward) or 3 (forward, input grad, weight grad).
         exact: Whether the figures come from simulating this very size (else extrapolated).
         busy_ranks: ``busy_ranks[j]``: the fraction of the step during which exactly ``j`` ranks compute (what
@@ -38,6 +42,8 @@ class ScheduleCost:
     actions: int
     exact: bool
     busy_ranks: tuple[float, ...] = ()
+    at_first_grad: tuple[int, ...] = ()
+    with_grads: tuple[int, ...] = ()
 
 
 def valid_microbatches(name: str, pp: int, microbatches: int, stages_per_rank: int | None = None) -> bool:
@@ -83,34 +89,44 @@ def schedule_cost(name: str, *, pp: int, microbatches: int, stages_per_rank: int
         peak = microbatches * v
     else:
         peak = min(microbatches * v, round(max(small.in_flight) * pp / small_pp))
+    # steady-state orders reach their peak again once gradients exist; all-forwards-first orders never do
+    after = 0 if spec.traits.all_forwards_first else peak
     bubble = idle / (idle + busy)
     everyone = max(0.0, 1.0 - bubble * pp / (pp - 1))  # ranks join and leave the step one at a time, roughly
     profile = (0.0, 1.0 - everyone, *(0.0,) * (pp - 2), everyone)
-    return ScheduleCost(bubble=bubble, in_flight=(peak,) * pp, actions=small.actions, exact=False, busy_ranks=profile)
+    return ScheduleCost(bubble=bubble, in_flight=(peak,) * pp, actions=small.actions, exact=False, busy_ranks=profile,
+                        at_first_grad=(peak,) * pp, with_grads=(after,) * pp)  # fmt: skip
 
 
 def _simulated(name: str, pp: int, microbatches: int, v: int) -> ScheduleCost:
     spec = resolve_schedule(name, pp=pp, microbatches=microbatches, stages_per_rank=v)
     actions = rank_actions(spec, pp=pp, microbatches=microbatches)
     timeline = simulate(actions, pp=pp, num_stages=pp * v, stage_to_rank=spec.stage_to_rank(pp))
-    peaks = []
+    peaks, firsts, afters = [], [], []
     for order in actions.values():
         held: set[tuple[int, int]] = set()
-        peak = 0
+        peak = after = 0
+        first: int | None = None
         for action in order:
             key = (action.stage, action.microbatch)
             if action.kind == "F":
                 held.add(key)
                 peak = max(peak, len(held))
+                after = max(after, len(held)) if first is not None else after
             elif action.kind in ("B", "W"):  # a split backward keeps the weight-gradient inputs until W
+                first = len(held) if first is None else first
                 held.discard(key)
         peaks.append(peak)
+        firsts.append(first or peak)
+        afters.append(after)
     return ScheduleCost(
         bubble=timeline.bubble_fraction,
         in_flight=tuple(peaks),
         actions=3 if spec.splits_backward else 2,
         exact=True,
         busy_ranks=busy_ranks(timeline, pp),
+        at_first_grad=tuple(firsts),
+        with_grads=tuple(afters),
     )
 
 

@@ -34,6 +34,8 @@ class Block:
         output: Elements of the block's output per sample: what a pipeline boundary after it sends.
         collectives: Tensor-parallel collectives per forward + backward: ``(kind, elements per sample)``.
         seconds: Measured forward + backward time ``(fixed, per sample)`` on one device; None = from FLOPs.
+        replica_unit: The FSDP2 unit it belongs to: adjacent blocks naming the same one are gathered together (a
+            transformers model's decoder layers inside its base model); "" = a unit of its own.
     """
 
     name: str
@@ -51,6 +53,7 @@ class Block:
     output: float = 0.0
     collectives: tuple[tuple[str, float], ...] = ()
     seconds: tuple[float, float] | None = None
+    replica_unit: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,92 @@
+"""Bytes per pipeline rank of one layout: what a rank holds all step and the most its gradients and activations hold
+together at any moment of the schedule (``peak_of_step``). Arithmetic over per-block figures and the schedule's
+in-flight counts (``schedule_costs.py``); it enumerates no layouts and prices no time (``estimate.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """One pipeline rank's per-block figures, in its blocks' forward order (tensor-parallel shards, before any
+    data-parallel sharding)."""
+
+    params: Sequence[float]  # parameters per block
+    activations: Sequence[float]  # bytes each block keeps per sample until its backward
+    rematerialised: float  # bytes per sample one checkpointed block rebuilds during its backward (the largest)
+    replica_units: Sequence[float]  # parameters of each FSDP2 unit (gathered at once), in forward order
+    unit_starts: Sequence[int]  # the index of each unit's first block
+
+
+def peak_of_step(
+    grads: Sequence[float],
+    micro_acts: Sequence[float],
+    *,
+    at_first_grad: int,
+    with_grads: int,
+    transients: Sequence[float] = (),
+) -> float:
+    """The most bytes gradients and activations hold together over a rank's step (``grads``, ``micro_acts``,
+    ``transients``: per block, in forward order; activations of one micro-batch of the rank's stages; what a block's
+    backward holds only while it runs, e.g. FSDP2's gathered unit).
+
+    Gradients are whole from the rank's first backward on (they accumulate over micro-batches), beside at most
+    ``with_grads`` micro-batches' activations; during that first backward each block's gradient appears as its
+    activations are freed: ``at_first_grad - 1`` other micro-batches, plus the worst point of the sweep.
+    """
+    whole_grads, one = sum(grads), sum(micro_acts)
+    kept = list(itertools.accumulate(micro_acts))  # activations left when the backward reaches block i
+    made = list(itertools.accumulate(reversed(grads)))[::-1]  # gradients made by then (blocks i and after)
+    extra = list(transients) or [0.0] * len(kept)
+    sweep = max((a + g + t for a, g, t in zip(kept, made, extra, strict=True)), default=0.0)
+    first = (at_first_grad - 1) * one + sweep
+    if with_grads == 0:
+        return first
+    steady = max((a + t for a, t in zip(kept, extra, strict=True)), default=0.0)  # a later backward's worst point
+    return max(first, whole_grads + max(with_grads * one, (with_grads - 1) * one + steady))
+
+
+def rank_memory(
+    rank: RankBytes,
+    *,
+    micro: int,
+    shard: int,
+    stages_per_rank: int,
+    at_first_grad: int,
+    with_grads: int,
+    sizes: tuple[int, int, int],
+    optimizer_states: int,
+) -> dict[str, float]:
+    """Bytes of one pipeline rank: parameters, gradients and optimizer state (sharded over ``shard`` FSDP2
+    replicas), activations (at the step's peak: what ``peak_of_step`` adds beyond the whole gradients, and one
+    checkpointed block rebuilt), FSDP2's whole blocks beyond the shards ("gathered"), and their total.
+
+    ``at_first_grad`` and ``with_grads`` count (stage, micro-batch) pairs; a pair holds 1 / ``stages_per_rank`` of
+    the rank's activations. ``sizes``: bytes per parameter, gradient and optimizer-state element.
+    """
+    param_bytes, grad_bytes, state_bytes = sizes
+    params = sum(rank.params) / shard
+    grads = [p / shard * grad_bytes for p in rank.params]
+    micro_acts = [a * micro / stages_per_rank for a in rank.activations]
+    # FSDP2, at the end of a unit's backward (its first block's): its parameters and the unit before it (prefetched)
+    # gathered whole, its whole gradients and their copy into the reduce-scatter's flat input (chunk_cat)
+    transients = [0.0] * len(grads)
+    if shard > 1:
+        units = list(rank.replica_units)
+        for start, p, b in zip(rank.unit_starts, units, [0.0, *units[:-1]], strict=True):
+            transients[start] = (p + b) * param_bytes + 2 * p * grad_bytes
+    peak = peak_of_step(grads, micro_acts, at_first_grad=at_first_grad, with_grads=with_grads, transients=transients)
+    gathered = max(transients, default=0.0)
+    memory = {
+        "params": params * param_bytes,
+        "grads": params * grad_bytes,
+        "optimizer": params * optimizer_states * state_bytes,
+        "activations": peak - sum(grads) - gathered + rank.rematerialised * micro,
+        "gathered": gathered,
+    }
+    memory["total"] = sum(memory.values())
+    return memory
