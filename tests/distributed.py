@@ -52,13 +52,28 @@ def _become_script(script: str, args: list[str], cwd: str, env: dict[str, str], 
     """In a fork of the server: `python <script> <args>` run from `cwd` with `env`, its standard output and error
     going to the pipes `out` and `err` (which the ranks it launches inherit, as from a shell)."""
     os.setsid()  # a session of its own, which the ranks it launches join: a timeout ends them all (run_script)
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
     os.dup2(out.fileno(), 1)
     os.dup2(err.fileno(), 2)
     out.close()
     err.close()
+    _run_as_script(script, args, cwd, env)
+
+
+def _become_logged_script(script: str, args: list[str], cwd: str, env: dict[str, str], log: str) -> None:
+    """In a fork of the server: `python <script> <args>` in a session of its own, both outputs going to `log`."""
+    os.setsid()  # a session of its own, which the processes it starts join: end_session ends them all
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    _run_as_script(script, args, cwd, env)
+
+
+def _run_as_script(script: str, args: list[str], cwd: str, env: dict[str, str]) -> None:
+    """`python <script> <args>` from `cwd` with `env`, in this (forked) process, its outputs already redirected."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # what PYTHONUNBUFFERED would give
     sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     sys.argv = [script, *args]
@@ -104,6 +119,21 @@ def run_script(
         raise subprocess.TimeoutExpired([sys.executable, str(script), *args], timeout)
     text = {name: read.get(name, b"").decode(errors="replace") for name in ("out", "err")}
     return subprocess.CompletedProcess([sys.executable, str(script), *args], proc.exitcode, text["out"], text["err"])
+
+
+def start_script(script: Path, args: list[str], *, cwd: Path, env: dict[str, str], log: Path) -> Any:
+    """Start `python <script> <args>` as run_script runs it (a fork of the server, in a session of its own), without
+    waiting: its output and its children's go to `log`. The caller joins it, and ends it with `end_session`."""
+    proc = _FORKS.Process(target=_become_logged_script, args=(str(script), list(args), str(cwd), env, str(log)))
+    proc.start()
+    return proc
+
+
+def end_session(proc: Any) -> None:
+    """Kill whatever is left of a process start_script started and of every process it started (its session)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.join()
 
 
 def free_port() -> int:

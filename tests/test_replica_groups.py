@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from distributed import free_port, start_worker
+from distributed import WORKERS, end_session, free_port, start_script, start_worker
 from lighthouse import started_lighthouse
 
 GROUPS, BATCH, STEPS = 3, 4, 24
@@ -275,7 +274,9 @@ def test_two_groups_of_two_processes_survive_a_sigkill_under_torchrun(tmp_path: 
     group 1 SIGKILLs itself in step 3; torchrun restarts both of group 1's ranks (the same command, the agent's store
     kept: the Manager's keys live in a store of each attempt's own), which rejoin group 0 mid-run with its weights.
     Both groups end at max_steps, past their max_epochs, with the same weights on all four ranks."""
-    from test_restarts import ELASTIC, env  # torchrun's launcher with forked workers, and its clean environment
+    from test_restarts import env  # the clean environment of a launch under torchrun
+
+    elastic = WORKERS / "elastic.py"  # torchrun's launcher with forked workers, itself forked from the tests' server
 
     restarted = tmp_path / "restarted"
     procs = {}
@@ -290,18 +291,17 @@ def test_two_groups_of_two_processes_survive_a_sigkill_under_torchrun(tmp_path: 
         else:
             extra += [f"+callbacks.kill={{_target_:failing.FailAt,rank:1,step:{KILL_STEP - 1},mode:kill,attempt:0}}"]
             extra += [f"+callbacks.announce={{_target_:replica_restart.AnnounceAt,attempt:1,file:{restarted}}}"]
-        command = [*ELASTIC, str(restarts), *RESTART_RUN, f"strategy.replica_group={group}"]
-        command += [f"strategy.lighthouse={lighthouse_of_one}", f"hydra.run.dir={out}", *extra]
-        log = (out / "log.txt").open("w")
-        procs[group] = subprocess.Popen(command, cwd=out, env=env(), stdout=log, stderr=subprocess.STDOUT)
+        args = [str(restarts), *RESTART_RUN, f"strategy.replica_group={group}"]
+        args += [f"strategy.lighthouse={lighthouse_of_one}", f"hydra.run.dir={out}", *extra]
+        procs[group] = start_script(elastic, args, cwd=out, env=env(), log=out / "log.txt")
     try:
         for proc in procs.values():
-            proc.wait(timeout=360)
+            proc.join(360)
     finally:
         for proc in procs.values():
-            subprocess.run(["pkill", "-9", "-s", str(proc.pid)], check=False)  # torchrun's workers share its session
+            end_session(proc)  # torchrun's workers share its session
     for group, proc in procs.items():
-        assert proc.returncode == 0, (tmp_path / f"group{group}" / "log.txt").read_text()[-4000:]
+        assert proc.exitcode == 0, (tmp_path / f"group{group}" / "log.txt").read_text()[-4000:]
     log = (tmp_path / "group1" / "log.txt").read_text()
     assert (tmp_path / "group1" / "failed_at").exists() and restarted.exists()  # the kill came, then the restart
     results = [torch.load(tmp_path / f"group{g}" / f"rank{r}.pt") for g in (0, 1) for r in (0, 1)]
