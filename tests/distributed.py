@@ -82,6 +82,13 @@ def _run_as_script(script: str, args: list[str], cwd: str, env: dict[str, str]) 
     given = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [str(Path(script).parent), *given, *own]
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    # Lightning reads the process's rank from the environment when imported, which the server did with none set: read
+    # it again, as a fresh interpreter would (a SLURM-style task or a launched rank comes here with its own)
+    from lightning.fabric.utilities.rank_zero import _get_rank
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+    rank_zero_only.rank = utils_rank_zero_only.rank = _get_rank() or 0  # type: ignore[attr-defined]
     runpy.run_path(script, run_name="__main__")
 
 
