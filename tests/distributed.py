@@ -76,11 +76,13 @@ def _run_as_script(script: str, args: list[str], cwd: str, env: dict[str, str]) 
     os.chdir(cwd)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # what PYTHONUNBUFFERED would give
     sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    sys.argv = [script, *args]
-    # sys.path as `python <script>` has it: the script's folder, then PYTHONPATH, then the interpreter's own
+    module = script.removeprefix("-m ") if script.startswith("-m ") else None  # `python -m <module>`
+    sys.argv = [script if module is None else module, *args]
+    # sys.path as `python <script>` has it: the script's folder (the working directory under -m), then PYTHONPATH,
+    # then the interpreter's own
     own = [p for p in sys.path if "site-packages" in p or p.startswith(sys.base_prefix) or p.startswith("__editable__")]
     given = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [str(Path(script).parent), *given, *own]
+    sys.path[:] = [str(Path(script).parent) if module is None else cwd, *given, *own]
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     # Lightning reads the process's rank from the environment when imported, which the server did with none set: read
     # it again, as a fresh interpreter would (a SLURM-style task or a launched rank comes here with its own)
@@ -89,17 +91,21 @@ def _run_as_script(script: str, args: list[str], cwd: str, env: dict[str, str]) 
     from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
     rank_zero_only.rank = utils_rank_zero_only.rank = _get_rank() or 0  # type: ignore[attr-defined]
-    runpy.run_path(script, run_name="__main__")
+    if module is not None:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)  # warns as -m does if it was imported already
+    else:
+        runpy.run_path(script, run_name="__main__")
 
 
 def run_script(
-    script: Path, args: list[str], *, cwd: Path, env: dict[str, str], timeout: float
+    script: Path | str, args: list[str], *, cwd: Path, env: dict[str, str], timeout: float
 ) -> subprocess.CompletedProcess[str]:
-    """`python <script> <args>` as subprocess.run(capture_output=True, text=True) runs it, in a fork of the server
-    that imported torch, Lightning and the library once: ~9 s of CPU less than a fresh interpreter (the ranks > 0 a
-    launch starts are still fresh interpreters, and run the command line as a user's would). Its output is read until
-    every process holding the pipes (the ranks it started too) has closed them; after `timeout` it is killed with the
-    ranks it started (subprocess.run would leave those running) and subprocess.TimeoutExpired raised."""
+    """`python <script> <args>` (script "-m <module>": `python -m <module> <args>`) as
+    subprocess.run(capture_output=True, text=True) runs it, in a fork of the server that imported torch, Lightning and
+    the library once: ~9 s of CPU less than a fresh interpreter (the ranks > 0 a launch starts are still fresh
+    interpreters, and run the command line as a user's would). Its output is read until every process holding the
+    pipes (the ranks it started too) has closed them; after `timeout` it is killed with the ranks it started
+    (subprocess.run would leave those running) and subprocess.TimeoutExpired raised."""
     (out_r, out_w), (err_r, err_w) = _FORKS.Pipe(duplex=False), _FORKS.Pipe(duplex=False)
     proc = _FORKS.Process(target=_become_script, args=(str(script), list(args), str(cwd), env, out_w, err_w))
     proc.start()
