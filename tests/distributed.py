@@ -52,32 +52,60 @@ def _become_script(script: str, args: list[str], cwd: str, env: dict[str, str], 
     """In a fork of the server: `python <script> <args>` run from `cwd` with `env`, its standard output and error
     going to the pipes `out` and `err` (which the ranks it launches inherit, as from a shell)."""
     os.setsid()  # a session of its own, which the ranks it launches join: a timeout ends them all (run_script)
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
     os.dup2(out.fileno(), 1)
     os.dup2(err.fileno(), 2)
     out.close()
     err.close()
+    _run_as_script(script, args, cwd, env)
+
+
+def _become_logged_script(script: str, args: list[str], cwd: str, env: dict[str, str], log: str) -> None:
+    """In a fork of the server: `python <script> <args>` in a session of its own, both outputs going to `log`."""
+    os.setsid()  # a session of its own, which the processes it starts join: end_session ends them all
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    _run_as_script(script, args, cwd, env)
+
+
+def _run_as_script(script: str, args: list[str], cwd: str, env: dict[str, str]) -> None:
+    """`python <script> <args>` from `cwd` with `env`, in this (forked) process, its outputs already redirected."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # what PYTHONUNBUFFERED would give
     sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    sys.argv = [script, *args]
-    # sys.path as `python <script>` has it: the script's folder, then PYTHONPATH, then the interpreter's own
+    module = script.removeprefix("-m ") if script.startswith("-m ") else None  # `python -m <module>`
+    sys.argv = [script if module is None else module, *args]
+    # sys.path as `python <script>` has it: the script's folder (the working directory under -m), then PYTHONPATH,
+    # then the interpreter's own
     own = [p for p in sys.path if "site-packages" in p or p.startswith(sys.base_prefix) or p.startswith("__editable__")]
     given = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [str(Path(script).parent), *given, *own]
+    sys.path[:] = [str(Path(script).parent) if module is None else cwd, *given, *own]
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
-    runpy.run_path(script, run_name="__main__")
+    # Lightning reads the process's rank from the environment when imported, which the server did with none set: read
+    # it again, as a fresh interpreter would (a SLURM-style task or a launched rank comes here with its own)
+    from lightning.fabric.utilities.rank_zero import _get_rank
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+    rank_zero_only.rank = utils_rank_zero_only.rank = _get_rank() or 0  # type: ignore[attr-defined]
+    if module is not None:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)  # warns as -m does if it was imported already
+    else:
+        runpy.run_path(script, run_name="__main__")
 
 
 def run_script(
-    script: Path, args: list[str], *, cwd: Path, env: dict[str, str], timeout: float
+    script: Path | str, args: list[str], *, cwd: Path, env: dict[str, str], timeout: float
 ) -> subprocess.CompletedProcess[str]:
-    """`python <script> <args>` as subprocess.run(capture_output=True, text=True) runs it, in a fork of the server
-    that imported torch, Lightning and the library once: ~9 s of CPU less than a fresh interpreter (the ranks > 0 a
-    launch starts are still fresh interpreters, and run the command line as a user's would). Its output is read until
-    every process holding the pipes (the ranks it started too) has closed them; after `timeout` it is killed with the
-    ranks it started (subprocess.run would leave those running) and subprocess.TimeoutExpired raised."""
+    """`python <script> <args>` (script "-m <module>": `python -m <module> <args>`) as
+    subprocess.run(capture_output=True, text=True) runs it, in a fork of the server that imported torch, Lightning and
+    the library once: ~9 s of CPU less than a fresh interpreter (the ranks > 0 a launch starts are still fresh
+    interpreters, and run the command line as a user's would). Its output is read until every process holding the
+    pipes (the ranks it started too) has closed them; after `timeout` it is killed with the ranks it started
+    (subprocess.run would leave those running) and subprocess.TimeoutExpired raised."""
     (out_r, out_w), (err_r, err_w) = _FORKS.Pipe(duplex=False), _FORKS.Pipe(duplex=False)
     proc = _FORKS.Process(target=_become_script, args=(str(script), list(args), str(cwd), env, out_w, err_w))
     proc.start()
@@ -104,6 +132,21 @@ def run_script(
         raise subprocess.TimeoutExpired([sys.executable, str(script), *args], timeout)
     text = {name: read.get(name, b"").decode(errors="replace") for name in ("out", "err")}
     return subprocess.CompletedProcess([sys.executable, str(script), *args], proc.exitcode, text["out"], text["err"])
+
+
+def start_script(script: Path, args: list[str], *, cwd: Path, env: dict[str, str], log: Path) -> Any:
+    """Start `python <script> <args>` as run_script runs it (a fork of the server, in a session of its own), without
+    waiting: its output and its children's go to `log`. The caller joins it, and ends it with `end_session`."""
+    proc = _FORKS.Process(target=_become_logged_script, args=(str(script), list(args), str(cwd), env, str(log)))
+    proc.start()
+    return proc
+
+
+def end_session(proc: Any) -> None:
+    """Kill whatever is left of a process start_script started and of every process it started (its session)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.join()
 
 
 def free_port() -> int:

@@ -7,10 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import CONF, ROOT
-from distributed import free_port, run_script
+from distributed import end_session, free_port, run_script, start_script
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
@@ -38,6 +35,8 @@ TWO_NODES = ["trainer.devices=2", "trainer.num_nodes=2"]
 # What a launcher tells its processes: none may leak in from the environment the tests run in.
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR")
 RUN_TIMEOUT = 150.0
+# `torchrun` is this script (`python -m torch.distributed.run`); its workers are fresh interpreters, as a user's are
+TORCHRUN = str(Path(torch.__file__).parent / "distributed" / "run.py")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -50,40 +49,25 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def run_together(commands: list[tuple[list[str], dict[str, str]]], logs: Path) -> list[int]:
-    """Start every command at once (each in its own session, so torchrun's workers go with their agent); return
-    the exit codes. Whatever still runs after RUN_TIMEOUT, or after a failure, is killed."""
+    """Start every command (`python <script> <args>`) at once, each in a fork of the tests' server and a session of its
+    own (distributed.start_script: torchrun's workers go with their agent); return the exit codes. Whatever still runs
+    after RUN_TIMEOUT, or after a failure, is killed."""
     logs.mkdir(parents=True, exist_ok=True)
-    procs = []
-    for i, (cmd, env) in enumerate(commands):
-        with open(logs / f"launch{i}.log", "w") as log:
-            procs.append(
-                subprocess.Popen(
-                    cmd,
-                    env=env,
-                    cwd=logs,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-            )
+    procs = [
+        start_script(Path(script), args, cwd=logs, env=env, log=logs / f"launch{i}.log")
+        for i, ([script, *args], env) in enumerate(commands)
+    ]
     try:
         deadline = time.monotonic() + RUN_TIMEOUT
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
+        while any(p.exitcode is None for p in procs) and time.monotonic() < deadline:
+            if any(p.exitcode not in (None, 0) for p in procs):
                 time.sleep(10)  # give the others the chance to exit on their own, then stop them
                 break
             time.sleep(0.2)
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            try:  # torchrun's workers share the agent's session: none may outlive it
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    return [p.returncode for p in procs]
+            end_session(proc)  # torchrun's workers share the agent's session: none may outlive it
+    return [p.exitcode for p in procs]
 
 
 def tails(logs: Path) -> str:
@@ -136,9 +120,9 @@ def test_two_torchrun_nodes_equal_one_launch(tmp_path: Path, one_launch: Any) ->
     """`torchrun --nnodes=2` once per "node", one static rendezvous at node 0 (as on a cluster, with
     --master-addr=<node 0>): both exit 0 and train exactly as train.py's own 4-process launch."""
     run, port = tmp_path / "run", free_port()
-    node = f"-m torch.distributed.run --nnodes=2 --nproc-per-node=2 --master-addr=127.0.0.1 --master-port={port}"
+    node = f"--nnodes=2 --nproc-per-node=2 --master-addr=127.0.0.1 --master-port={port}"
     args = [str(ROOT / "train.py"), *TINY, *LAYOUT, *TWO_NODES, f"hydra.run.dir={run}"]
-    launches = [([sys.executable, *node.split(), f"--node-rank={n}", *args], clean_env()) for n in (0, 1)]
+    launches = [([TORCHRUN, *node.split(), f"--node-rank={n}", *args], clean_env()) for n in (0, 1)]
     codes = run_together(launches, tmp_path / "logs")
     assert codes == [0, 0], tails(tmp_path / "logs")
     assert_same_run(run, one_launch())
@@ -173,7 +157,7 @@ def test_slurm_tasks_on_two_nodes_equal_one_launch(tmp_path: Path, one_launch: A
         "SLURM_NODELIST": "127.0.0.2,127.0.0.3",
         "SLURM_JOB_NODELIST": "127.0.0.2,127.0.0.3",
     }
-    args = [sys.executable, str(ROOT / "train.py"), *TINY, *LAYOUT, *TWO_NODES, f"hydra.run.dir={run}"]
+    args = [str(ROOT / "train.py"), *TINY, *LAYOUT, *TWO_NODES, f"hydra.run.dir={run}"]
     tasks = [
         (args, clean_env(**slurm, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % 2), SLURM_NODEID=str(rank // 2)))
         for rank in range(4)

@@ -5,12 +5,12 @@ group), and bad input. (ResNet-152's split over 4 stages: tests/test_partition.p
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
 from conftest import run_cli
+from distributed import run_script
 
 from train import ConfigError, build
 
@@ -59,17 +59,12 @@ def test_resnet_and_transformer_train_on_four_pipeline_stages(tmp_path: Path) ->
     assert tokens.returncode == 0, tokens.stderr[-3000:]
     summaries = [json.loads(p.read_text()) for p in sorted(tmp_path.rglob("summary.json"))]
     picture = tmp_path / "measured.png"
-    draw = [
-        sys.executable,
-        "-m",
-        "lightning_parallel.insight.schedule_picture",
-        "--from-summary",
-        str(tmp_path / "tokens" / "summary.json"),
-        "--out",
-        str(picture),
-    ]
-    drawn = subprocess.run(draw, capture_output=True, text=True)
-    # `python -m` runs it without warnings (the package must not import its modules eagerly)
+    draw = ["--from-summary", str(tmp_path / "tokens" / "summary.json"), "--out", str(picture)]
+    # `python -m` runs it without warnings (the package must not import its modules eagerly: its module would be
+    # imported before it runs, which the fork of the tests' server, the package imported, shows as a fresh run does)
+    drawn = run_script(
+        "-m lightning_parallel.insight.schedule_picture", draw, cwd=tmp_path, env=dict(os.environ), timeout=120
+    )
     assert drawn.returncode == 0 and drawn.stderr == "" and picture.stat().st_size > 10_000, drawn.stderr
     assert sorted(s["model"] for s in summaries) == ["GPT", "ResNet"]
     for summary in summaries:

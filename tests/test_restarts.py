@@ -5,8 +5,9 @@ timeout, named in one line.
 
 One launch of torch's elastic launcher runs all eight fits (each strategy interrupted and straight) as one Hydra sweep
 of train.py; rank 1 kills itself at step 3 in one strategy per attempt, so four kills cost five attempts. Its workers
-are forked from a process that imported train.py (tests/workers/elastic.py; torchrun's agent, rendezvous and restarts
-otherwise), which saves ~5 s of CPU per worker and attempt; the SIGSTOP test runs the `torchrun` command itself.
+are forked from a process that imported train.py (tests/workers/elastic.py, itself forked from the tests' server;
+torchrun's agent, rendezvous and restarts otherwise), which saves ~5 s of CPU per worker and attempt; the SIGSTOP test
+runs the `torchrun` command itself.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from typing import Any
 import pytest
 import torch
 from conftest import ROOT
-from distributed import WORKERS
+from distributed import WORKERS, run_script
 
 from lightning_parallel.checkpoint import export
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d"]
 TORCHRUN += ["--rdzv-endpoint=127.0.0.1:0", "--monitor-interval=0.2"]
-ELASTIC = [sys.executable, str(WORKERS / "elastic.py")]  # the same, workers forked: + max restarts, train.py's args
+ELASTIC = WORKERS / "elastic.py"  # the same, workers forked (args: max restarts, train.py's), forked from the server
 # 6 steps of SimpleCNN on digits (22 batches an epoch: every checkpoint is mid-epoch), a checkpoint every 2 steps.
 STEPS = ["trainer=cpu", "trainer.devices=2", "trainer.max_steps=6", "ckpt_path=last", "logger=csv"]
 CHECKPOINTS = ["callbacks.progress_bar=null", "callbacks.lr_monitor=null", "callbacks.model_checkpoint.monitor=null"]
@@ -78,8 +79,9 @@ def test_torchrun_restarts_after_a_kill_continue_exactly(tmp_path: Path) -> None
     sweep = [f"strategy={','.join(KILLED)}", "+interrupt=true,false", "hydra.sweep.dir=sweep"]
     sweep += ["hydra.sweep.subdir=${hydra:runtime.choices.strategy}-${interrupt}"]
     sweep += [f"hydra.searchpath=[file://{ROOT / 'tests' / 'conf'}]"]
-    command = [*ELASTIC, str(len(KILLED)), "-m", *sweep, *STEPS]
-    result = run([*command, *CHECKPOINTS, *kills], tmp_path)
+    args = [str(len(KILLED)), "-m", *sweep, *STEPS, *CHECKPOINTS, *kills]
+    done = run_script(ELASTIC, args, cwd=tmp_path, env=env(), timeout=TIMEOUT)
+    result = subprocess.CompletedProcess(done.args, done.returncode, done.stdout + done.stderr, "")
     assert result.returncode == 0, result.stdout[-4000:]
     assert result.stdout.count("ckpt_path=last: no checkpoint in") == 8  # each fit started once, from scratch
     for name in KILLED:
