@@ -116,8 +116,19 @@ def _colwise(sp: bool) -> ParallelStyle:
     return ColwiseParallel(input_layouts=_SEQ) if sp else ColwiseParallel()
 
 
+class _RowwiseOwnOutput(RowwiseParallel):
+    """torch's `RowwiseParallel`, its local output a tensor of its own rather than the view `to_local` returns: model
+    code may add to it in place (Falcon's `mlp_output += attention_output`), which autograd refuses on that view. One
+    copy of the all-reduced output per layer."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN205 - torch's signature
+        local = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return local.clone() if use_local_output else local
+
+
 def _rowwise(sp: bool) -> ParallelStyle:
-    return RowwiseParallel(output_layouts=_SEQ, use_local_output=False) if sp else RowwiseParallel()
+    return RowwiseParallel(output_layouts=_SEQ, use_local_output=False) if sp else _RowwiseOwnOutput()
 
 
 def _rowwise_from_channels(sp: bool) -> ParallelStyle:
@@ -137,7 +148,7 @@ def _rowwise_split_input(sp: bool) -> ParallelStyle:
     # the input arrives whole (e.g. after a `chunk`): each rank takes its slice of the features locally
     if sp:
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=_SEQ, use_local_output=False)
-    return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    return _RowwiseOwnOutput(input_layouts=Replicate(), output_layouts=Replicate())
 
 
 def _packed(pieces: int) -> MakeStyle:
