@@ -60,7 +60,7 @@ gpu-check:
 	@PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(HOST_PY) benchmarks/gpu_check.py $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check lightning_parallel tests train.py config_checks.py plan.py benchmarks
+	$(VENV)/bin/ruff check lightning_parallel tests train.py config_checks.py job_output.py plan.py benchmarks
 	$(VENV)/bin/mypy lightning_parallel
 
 clean:

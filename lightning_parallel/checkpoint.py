@@ -13,9 +13,7 @@ Export a transformers model as a Hugging Face directory: `... export CHECKPOINT 
 from __future__ import annotations
 
 import argparse
-import io
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,17 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_parallel.checkpoint_files import (
+    META_FILE,
+    MODEL_KEY,
+    move_in,
+    old_path,
+    partial_path,
+    recover,
+    remove,
+    replace_with,
+    serialized,
+)
 from lightning_parallel.hf_directory import DEFAULT_MAX_SHARD_SIZE
 from lightning_parallel.unpickling import (
     METADATA_FILE,
@@ -36,69 +45,15 @@ from lightning_parallel.unpickling import (
     read_metadata,
 )
 
-META_FILE = "meta.pt"
-MODEL_KEY = "state_dict"
+__all__ = [  # the atomic replacement's names too (`checkpoint_files.py`), imported from here by callers
+    "META_FILE", "MODEL_KEY", "check_complete", "check_matches", "compare_tensors", "export", "is_sharded_checkpoint",
+    "load_module", "load_shards", "load_single_file", "main", "move_in", "old_path", "partial_path", "read_meta",
+    "recover", "remove", "replace_with", "saved_tensors", "serialized", "sharded_tensors", "whole_state",
+]  # fmt: skip
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     return Path(path).is_dir() and (Path(path) / META_FILE).is_file()
-
-
-def partial_path(path: Path) -> Path:
-    """Where a checkpoint is written before it replaces `path`: a crash never leaves `path` half-written."""
-    return path.with_name(path.name + ".partial")
-
-
-def old_path(path: Path) -> Path:
-    """Where the previous checkpoint waits while a new one moves in (see `replace_with`)."""
-    return path.with_name(path.name + ".old")
-
-
-def remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
-
-
-def replace_with(partial: Path, path: Path) -> None:
-    """Swap a finished checkpoint into place (rank 0 only). The previous one is renamed aside first and
-    removed last, so a kill at any moment leaves `path` or `<path>.old` whole (`recover` puts it back)."""
-    remove(old_path(path))
-    if path.exists():
-        os.replace(path, old_path(path))
-    os.replace(partial, path)
-    remove(old_path(path))
-
-
-def serialized(obj: Any) -> bytes:
-    """`torch.save` into memory: a snapshot of small state that may change before it is written."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def move_in(partial: Path, path: Path, meta: bytes) -> None:
-    """Rank 0, once every rank's shards are in `partial`: write `meta.pt` (last, so a directory without it was cut
-    short) and swap the checkpoint in for `path`."""
-    (partial / META_FILE).write_bytes(meta)
-    replace_with(partial, path)
-
-
-def recover(folder: str | os.PathLike) -> None:
-    """Undo what an interrupted save left in a checkpoint folder: a checkpoint renamed aside but never replaced
-    goes back to its name; unfinished `.partial` writes and leftover `.old` copies are removed."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return
-    for old in folder.glob("*.old"):
-        target = old.with_name(old.name[: -len(".old")])
-        if target.exists():
-            remove(old)
-        else:
-            os.replace(old, target)
-    for partial in folder.glob("*.partial"):
-        remove(partial)
 
 
 def check_complete(path: Path, *, weights_only: bool = True) -> None:

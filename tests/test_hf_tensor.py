@@ -164,8 +164,16 @@ def test_heads_that_do_not_divide_leave_the_attention_whole_with_the_reason() ->
     three = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=24, n_head=3, vocab_size=64, n_positions=16))
     found = structural_plan(three, tensor_parallel_size=2)
     assert found is None  # no attention to shard: the fx planner is asked next, which cannot trace GPT-2
+    # then the MLP pairs alone (as for Falcon, Bloom, GPTBigCode), the attention whole with the reason
+    source, plan, whole = plan_of(three)
+    assert source == "structure" and plan == {
+        "transformer.h.0.mlp.c_fc": "colwise",
+        "transformer.h.0.mlp.c_proj": "rowwise",
+    }
+    assert whole["transformer.h.0.attn.c_attn"] == "3 heads of 8 features are not divisible by tensor_parallel_size 2"
+    no_mlp = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=24, n_inner=24, n_head=3, vocab_size=64, n_positions=16))
     with pytest.raises(ValueError, match="torch.fx cannot trace GPT2LMHeadModel") as raised:
-        plan_of(three)
+        plan_of(no_mlp)  # an MLP as wide as the model is not recognised: nothing to shard, the trace's line
     assert "\n" not in str(raised.value)
     mlp_only = structural_plan(three, tensor_parallel_size=3)  # 3 heads, 3 ranks: whole heads again
     assert mlp_only is not None and mlp_only.plan["transformer.h.0.attn.c_attn"] == "qkv_colwise"

@@ -1,8 +1,9 @@
 """Exact at real degrees, in one process: tp 8 and dp2 x tp4 training steps of the zoo GPT, transformers' Llama
-(grouped-query attention) and Qwen2 (tied embeddings), and pp 8 and dp2 x pp2 x tp4 (16 ranks) of the zoo GPT, set up
-by the strategies' own order on simulated ranks (`simulated_ranks`), against one process: losses and every
-rank's final weights within 1e-5 (AdamW, padded text). The simulation has no FSDP2 (replicas here are the all-reduced
-kind) and no pipeline transport: the pipeline's stages are chained in one process (`simulated_stages.py`).
+(grouped-query attention), Qwen2 (tied embeddings), Qwen3 (per-head q / k norms) and Falcon (MLP pairs alone), and
+pp 8 and dp2 x pp2 x tp4 (16 ranks) of the zoo GPT, set up by the strategies' own order on simulated ranks
+(`simulated_ranks`), against one process: losses and every rank's final weights within 1e-5 (AdamW, padded text). The
+simulation has no FSDP2 (replicas here are the all-reduced kind) and no pipeline transport: the pipeline's stages are
+chained in one process (`simulated_stages.py`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,34 @@ def qwen2() -> nn.Module:
     return Qwen2ForCausalLM(config)
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"gpt": gpt, "llama": llama, "qwen2": qwen2}
+def qwen3() -> nn.Module:
+    """Qwen3: a norm over each head of q and of k (its plan's `replicated_with_grad_allreduce`, our "head_norm"),
+    whose whole weight's gradient is summed over the ranks' heads."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=4, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return Qwen3ForCausalLM(config)
+
+
+def falcon() -> nn.Module:
+    """Falcon: no plan of its own, untraceable by torch.fx, its fused multi-query attention unknown to the structural
+    plan: its MLP pairs alone are sharded, and its code adds the attention's output to the row-parallel MLP output in
+    place (`mlp_output += attention_output`)."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=16, max_position_embeddings=SEQ,
+        bos_token_id=0, eos_token_id=0, attention_dropout=0.0, hidden_dropout=0.0,
+    )  # fmt: skip
+    return FalconForCausalLM(config)
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "gpt": gpt, "llama": llama, "qwen2": qwen2, "qwen3": qwen3, "falcon": falcon,
+}  # fmt: skip
 # dp2 x tp4 as users launch it (strategy=tensor) keeps replicas with FSDP2, which the simulation cannot run; here its
 # replicas are kept by the all-reduce of the pipeline's replicas="replicate" (its order at pp=1): the same plan, token
 # mean over replicas and gradient average that dp2 x pp2 x tp4 runs inside each stage.

@@ -2,7 +2,8 @@
 networks have their own forward (a residual CNN; Hugging Face GPT-2 called positionally, with a plan given; a Qwen2
 whose embedding is tied to its head across the stages, under its own plan) train at pp2 x tp2 (and a CNN at
 dp2 x pp2 x tp2) exactly as one process does: losses and final weights within 1e-5. In one process: how a parameter
-tied across stages is sharded (alike on every holder, or whole with the reason)."""
+tied across stages is sharded (alike on every holder, or whole with the reason), and dropout after a row-parallel
+layer (its partial sums reduced first, one mask on every rank)."""
 
 from __future__ import annotations
 
@@ -130,3 +131,27 @@ def test_a_parameter_tied_across_traced_stages_is_sharded_alike_or_kept_whole_wi
         assert set(whole) == set(differing) and "tied across pipeline stages" in whole["head"], whole
     (_, plan, whole), groups = settle_tied(network, ("model", {"mlp": "colwise"}, {}), tied)
     assert plan == {"mlp": "colwise"} and not whole and groups[0].shard_dim is None
+
+
+def test_dropout_after_a_row_parallel_layer_in_a_traced_stage_drops_the_reduced_sum() -> None:
+    """A row-parallel layer's output is a Partial DTensor in traced stages; dropout on it (GPT-2's `resid_dropout`)
+    had no DTensor rule (`aten.bernoulli_` on a Partial): the sum is reduced first, then dropped alike on every rank.
+    On 4 processes, GPT-2 with dropout 0.1 at pp2 x tp2 gave pp2's losses exactly (4.16580, 4.14928)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    from lightning_parallel.one_process_ranks import simulated_ranks
+    from lightning_parallel.tensor.traced_stages import _REPLACED
+
+    aten = torch.ops.aten
+    with simulated_ranks(2) as mode:
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        parts = mode.rank_map(lambda rank: torch.full((64, 8), 1.0 + rank))  # each rank's partial sum: 1 and 2
+        x = DTensor.from_local(parts, mesh, [Partial()], run_check=False)
+        dropped = _REPLACED[aten.dropout.default](x, 0.5, True)
+        out, mask = _REPLACED[aten.native_dropout.default](x, 0.5, True)
+        assert dropped.placements == out.placements == (Replicate(),)
+        for value in (dropped, out):
+            ranks = value.to_local()._local_tensors.values()  # type: ignore[attr-defined]
+            first, *others = ranks
+            assert all(torch.equal(first, other) for other in others)  # one mask on every rank
+            assert set(first.unique().tolist()) == {0.0, 6.0}  # the sum 3, kept at 3 / (1 - 0.5), or dropped

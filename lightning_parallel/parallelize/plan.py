@@ -68,7 +68,8 @@ def resolve_plan(
     2. "model": the network's own plan when it has entries: `tp_plan` in our style names, or a transformers model's
        (`_tp_plan` + `config.base_model_tp_plan`) translated from transformers' style names (`tensor/hf_plans.py`);
     3. "structure": attention and MLP layers recognised by names and widths (`tensor/structure.py`);
-    4. "auto": column -> row pairs along a torch.fx trace (`tensor/pairing.py`).
+    4. "auto": column -> row pairs along a torch.fx trace (`tensor/pairing.py`);
+    5. "structure": the MLP pairs alone, when 4 cannot trace or pair (an attention 3 does not know stays whole).
     `plan="auto"` skips 2. Checked against `tensor_parallel_size` (raises ValueError with a fix)."""
     tp = tensor_parallel_size
     replicated: dict[str, str] = {}
@@ -84,9 +85,14 @@ def resolve_plan(
     elif own:
         source, exact = "model", expand_plan(network, own)
     else:
-        found = structural_plan(network, tensor_parallel_size=tp)
-        source = "structure" if found is not None else "auto"
-        found = found or auto_plan(network, tensor_parallel_size=tp)
+        source, found = "structure", structural_plan(network, tensor_parallel_size=tp)
+        if found is None:
+            try:
+                source, found = "auto", auto_plan(network, tensor_parallel_size=tp)
+            except ValueError:  # untraceable, or no pair: MLP pairs by structure alone, else the trace's line
+                source, found = "structure", structural_plan(network, tensor_parallel_size=tp, mlp_alone=True)
+                if found is None:
+                    raise
         exact, replicated = found.plan, found.replicated
     check_plan(network, exact, tensor_parallel_size=tp, sequence_parallel=sequence_parallel)
     return source, exact, replicated

@@ -6,10 +6,9 @@ from lightning_parallel.pipeline.partition import (
     loop_stage_to_rank,
     make_partition,
     parameter_costs,
-    prune_to_blocks,
-    stage_module,
     v_stage_to_rank,
 )
+from lightning_parallel.pipeline.prune import prune_to_blocks, stage_module
 from lightning_parallel.pipeline.schedules import SCHEDULE_TRAITS, ScheduleTraits
 
 __all__ = [

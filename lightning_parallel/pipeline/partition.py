@@ -1,13 +1,11 @@
 """Cut an ``nn.Sequential`` of named blocks into pipeline stages and map the stages onto pipeline ranks.
 
-Pure planning plus in-place pruning: no process groups, no schedules, no weight initialisation here.
-Over 300 lines by a few: planning a split and pruning to it share the block-name checks.
+Pure planning: no pruning (`prune.py`), no process groups, no schedules, no weight initialisation here.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -114,7 +112,8 @@ def v_stage_to_rank(num_stages: int, pp: int) -> list[int]:
 STAGE_TO_RANK: dict[str, Callable[[int, int], list[int]]] = {"loop": loop_stage_to_rank, "v": v_stage_to_rank}
 
 
-def _check_sequential(model: nn.Module) -> list[str]:
+def block_names(model: nn.Module) -> list[str]:
+    """The names of an ``nn.Sequential``'s blocks (its direct children); one line with the fix for anything else."""
     names = [name for name, _ in model.named_children()]
     if not isinstance(model, nn.Sequential) or len(names) < 2:
         raise ValueError(
@@ -172,7 +171,7 @@ def make_partition(
     Returns:
         The partition, with per-stage costs in parameters or seconds.
     """
-    names = _check_sequential(model)
+    names = block_names(model)
     costs, unit = _block_costs(model, balance, block_costs)
     holds = holds_parameters(model, names)
     return plan_partition(
@@ -267,41 +266,3 @@ def shared_across_ranks(model: nn.Module, partition: Partition) -> dict[str, lis
             ranks.add(rank_of.get(block, -1))
             names.append(f"{block}.{name}")
     return {names[0]: names for ranks, names in holders.values() if len(ranks) > 1}
-
-
-def prune_to_blocks(model: nn.Sequential, keep: Iterable[str]) -> None:
-    """Replace every block not in ``keep`` by ``nn.Identity()``, in place.
-
-    The container is never rebuilt, so the kept blocks' parameters keep their full-model names (the keys of
-    optimizers and checkpoints) and the dropped blocks' parameters disappear from ``named_parameters()``.
-    """
-    names = _check_sequential(model)
-    kept = set(keep)
-    unknown = sorted(kept - set(names))
-    if unknown:
-        raise ValueError(f"cannot keep unknown blocks {unknown}. HINT: valid block names are {names}.")
-    for name in names:
-        if name not in kept:
-            model.add_module(name, nn.Identity())
-
-
-def stage_module(model: nn.Sequential, blocks: Sequence[str]) -> nn.Sequential:
-    """A new ``nn.Sequential`` holding the same block objects (shared parameters, no copies) for one stage.
-
-    Args:
-        model: The full (or pruned) model.
-        blocks: A contiguous run of block names in model order, e.g. one entry of ``Partition.stages``.
-
-    Returns:
-        The stage, ready to hand to ``torch.distributed.pipelining.PipelineStage``.
-    """
-    names = _check_sequential(model)
-    wanted = list(blocks)
-    first = names.index(wanted[0]) if wanted and wanted[0] in names else -1
-    if first < 0 or names[first : first + len(wanted)] != wanted:
-        raise ValueError(
-            f"stage blocks {wanted} are not a non-empty, contiguous run of the model's blocks in order. "
-            f"HINT: take them from Partition.stages; valid names are {names}."
-        )
-    children = dict(model.named_children())
-    return nn.Sequential(OrderedDict((name, children[name]) for name in wanted))

@@ -18,10 +18,9 @@ from lightning_parallel.pipeline.partition import (
     holds_parameters,
     make_partition,
     plan_partition,
-    prune_to_blocks,
     shared_across_ranks,
-    stage_module,
 )
+from lightning_parallel.pipeline.prune import prune_to_blocks, stage_module
 from lightning_parallel.pipeline.runtime import StageFactory
 from lightning_parallel.pipeline.tied import TiedGroup
 from lightning_parallel.pipeline.traced import TracedNetwork

@@ -1,15 +1,20 @@
-"""The split units ("blocks") a traced network offers, what each costs in FLOPs, and pruning a network to some of
-them in place. Reads torch.fx graphs and modules only: no tracing (`traced.py`), no rebinding (`rebind.py`).
+"""The split units ("blocks") a traced network offers and what each costs in FLOPs (pruning to some of them is
+`prune.prune_children`, reached from here too). Reads torch.fx graphs and modules only: no tracing (`traced.py`), no
+rebinding (`rebind.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_parallel.pipeline.prune import prune_children
+
+__all__ = ["find_blocks", "flop_costs", "outside_blocks", "prune_children"]
 
 
 def find_blocks(traced: nn.Module) -> list[str]:
@@ -27,22 +32,6 @@ def find_blocks(traced: nn.Module) -> list[str]:
         else:
             found.append(name)
     return found
-
-
-def prune_children(network: nn.Module, keep: Iterable[str], blocks: Sequence[str]) -> None:
-    """Replace every block in ``blocks`` but not in ``keep`` by ``nn.Identity()`` on its parent, in place.
-
-    Like ``partition.prune_to_blocks`` for any module: containers are never rebuilt, so kept parameters
-    keep their full-network names. Modules that are not blocks (called twice, or never) are left alone.
-    """
-    kept = set(keep)
-    unknown = sorted(kept - set(blocks))
-    if unknown:
-        raise ValueError(f"cannot keep unknown blocks {unknown}. HINT: valid block names are {list(blocks)}.")
-    for name in blocks:
-        if name not in kept:
-            parent, _, leaf = name.rpartition(".")
-            network.get_submodule(parent).add_module(leaf, nn.Identity())
 
 
 def outside_blocks(network: nn.Module, blocks: Sequence[str]) -> list[str]:

@@ -39,15 +39,17 @@ class _Found:
     why: dict[str, str]  # module name -> why it stays whole
 
 
-def structural_plan(model: nn.Module, *, tensor_parallel_size: int) -> AutoPlan | None:
+def structural_plan(model: nn.Module, *, tensor_parallel_size: int, mlp_alone: bool = False) -> AutoPlan | None:
     """Attention and MLP layers found in `model`'s structure; None when it has no attention module to shard (then
-    other planners are asked). Every other module with parameters stays whole, with the reason."""
+    other planners are asked), or with `mlp_alone` (asked last, when no other planner answers) when it has no MLP
+    either: its attention then stays whole (Falcon's, Bloom's fused per-head `query_key_value`, GPTBigCode's multi-query
+    `c_attn`). Every other module with parameters stays whole, with the reason."""
     modules = dict(model.named_modules())
     attention = _attention(modules, tensor_parallel_size)
-    if not attention.styles:
-        return None
     taken = set(attention.styles) | set(attention.why)
     mlp = _mlp(modules, tensor_parallel_size, taken)
+    if not attention.styles and not (mlp_alone and mlp.styles):
+        return None
     styles = {**attention.styles, **mlp.styles}
     why = {**attention.why, **mlp.why}
     order = {name: index for index, name in enumerate(modules)}
@@ -55,6 +57,8 @@ def structural_plan(model: nn.Module, *, tensor_parallel_size: int) -> AutoPlan 
     for name, module in modules.items():
         if name not in plan and name not in why and any(True for _ in module.parameters(recurse=False)):
             why[name] = f"{type(module).__name__} is not an attention or MLP projection"
+            if not attention.styles and _projection(module):
+                why[name] += " (no q/k/v or q | k | v projection named as the structural plan knows was found)"
     return AutoPlan(plan=plan, replicated={name: why[name] for name in sorted(why, key=order.__getitem__)})
 
 

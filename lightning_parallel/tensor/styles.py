@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_parallel.tensor.conv import BatchNormParallel, ConvColwiseParallel, ConvRowwiseParallel
+from lightning_parallel.tensor.head_norm import HeadNorm
 from lightning_parallel.tensor.local_heads import LocalHeads, attribute_sizes
 from lightning_parallel.tensor.packed import PackedColwiseParallel
 from lightning_parallel.tensor.sharded_logits import VocabHead
@@ -115,8 +116,19 @@ def _colwise(sp: bool) -> ParallelStyle:
     return ColwiseParallel(input_layouts=_SEQ) if sp else ColwiseParallel()
 
 
+class _RowwiseOwnOutput(RowwiseParallel):
+    """torch's `RowwiseParallel`, its local output a tensor of its own rather than the view `to_local` returns: model
+    code may add to it in place (Falcon's `mlp_output += attention_output`), which autograd refuses on that view. One
+    copy of the all-reduced output per layer."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN205 - torch's signature
+        local = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return local.clone() if use_local_output else local
+
+
 def _rowwise(sp: bool) -> ParallelStyle:
-    return RowwiseParallel(output_layouts=_SEQ, use_local_output=False) if sp else RowwiseParallel()
+    return RowwiseParallel(output_layouts=_SEQ, use_local_output=False) if sp else _RowwiseOwnOutput()
 
 
 def _rowwise_from_channels(sp: bool) -> ParallelStyle:
@@ -136,7 +148,7 @@ def _rowwise_split_input(sp: bool) -> ParallelStyle:
     # the input arrives whole (e.g. after a `chunk`): each rank takes its slice of the features locally
     if sp:
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=_SEQ, use_local_output=False)
-    return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    return _RowwiseOwnOutput(input_layouts=Replicate(), output_layouts=Replicate())
 
 
 def _packed(pieces: int) -> MakeStyle:
@@ -220,6 +232,11 @@ _TABLE = (
         sizes=attribute_sizes,
     ),
     StyleTraits(
+        "head_norm", "norm over each head of this rank's heads (q_norm / k_norm after a colwise projection): weight "
+        "whole on every rank, its gradient summed over the ranks", lambda sp: HeadNorm(), sharded_input=True,
+        sharded_output=True, transformers=("replicated_with_grad_allreduce",),
+    ),
+    StyleTraits(
         "vocab_parallel", "Embedding: shard the vocabulary; output replicated", _vocab_parallel,
         shardings=(Sharding(nn.Embedding, {"weight": 0}, "num_embeddings", "vocabulary size"),),
         collectives=_ALL_REDUCE_OUTPUT, transformers=("embedding_rowwise",),
@@ -260,7 +277,6 @@ STYLE_TRAITS: dict[str, StyleTraits] = {traits.name: traits for traits in _TABLE
 TRANSFORMERS_REFUSED: dict[str, str] = {
     "packed_rowwise": "it shards mixture-of-experts weights packed along their last dimension",
     "local_params": "it runs a module on the local shards of bare parameters (attention sinks)",
-    "replicated_with_grad_allreduce": "it sums the gradients of norms that see only this rank's heads (q_norm/k_norm)",
     "all_reduce": "it sums partial outputs of mixture-of-experts layers",
     "mla_kv_a_proj": "it splits multi-head latent attention's compressed key/value projection",
     "moe_tp_experts": "it shards mixture-of-experts experts",

@@ -14,9 +14,9 @@ plain, whole tensors. DTensor's sharding propagation then computes every op with
 would, and inserts the collectives (all-reduce of a rowwise layer's partial sums, all-gather where a view or split
 crosses a sharded dimension). Parity is exact up to summation order; ops DTensor cannot shard correctly are
 replaced: Conv2d and BatchNorm with channel-sharded parameters run on local shards (DTensor shards convolutions
-spatially only), scaled-dot-product attention runs whole on every rank (torch 2.13 has no CPU backward rule); a
-`vocab_head` takes its input whole, and a cross-entropy on its logits runs on their vocabulary shards in a step's
-`ShardedLogits` session (`vocab_loss.py`).
+spatially only), scaled-dot-product attention runs whole on every rank (torch 2.13 has no CPU backward rule),
+dropout reduces a row-parallel layer's partial sums before it draws; a `vocab_head` takes its input whole, and a
+cross-entropy on its logits runs on their vocabulary shards in a step's `ShardedLogits` session (`vocab_loss.py`).
 
 Cost, honestly: every op goes through DTensor's eager dispatch (slower per op than plain tensors, like tp=1
 DTensors on GPU), a layer whose output is split or viewed across its sharded dimension (a fused q|k|v projection)
@@ -265,6 +265,21 @@ def _cross_entropy(
     return DTensor.from_local(loss, input.device_mesh, [Replicate()], run_check=False)  # the same on every rank
 
 
+def _reduced_first(op: Callable[..., Any]) -> Callable[..., Any]:
+    """`op` (dropout) on its input with partial sums reduced first: a row-parallel layer's output stays Partial until
+    an op needs it whole, DTensor has no rule that draws a mask over partial sums (`aten.bernoulli_` on a Partial),
+    and dropping parts of a sum is not dropping the sum. Replicate and Shard inputs go to DTensor's rule as they are
+    (on the CPU each rank draws from its own generator, seeded alike: tensor-parallel peers draw the same masks)."""
+
+    def reduced_first(x: Any, *rest: Any) -> Any:
+        if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements):
+            x = x.redistribute(x.device_mesh, [Replicate() if p.is_partial() else p for p in x.placements])
+        return op(x, *rest)
+
+    reduced_first.__name__ = f"reduced_first_{op.__name__.replace('.', '_')}"  # fx code generation needs a name
+    return reduced_first
+
+
 def _assert_local_metadata(tensor: Any, *args: Any, **kwargs: Any) -> Any:
     """torch.export's dtype/device check, on the local tensor (DTensor has no rule for it)."""
     return aten._assert_tensor_metadata.default(_local(tensor), *args, **kwargs)
@@ -277,4 +292,6 @@ _REPLACED: dict[Any, Callable[..., Any]] = {
     aten.embedding.default: _embedding,
     aten._assert_tensor_metadata.default: _assert_local_metadata,
     aten.cross_entropy_loss.default: _cross_entropy,
+    aten.dropout.default: _reduced_first(aten.dropout.default),
+    aten.native_dropout.default: _reduced_first(aten.native_dropout.default),
 }
