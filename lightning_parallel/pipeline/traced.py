@@ -13,7 +13,8 @@ import copy
 import functools
 import io
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextvars import ContextVar
 
 import torch
 from torch import nn
@@ -36,7 +37,9 @@ from lightning_parallel.pipeline.trace_errors import check_boundary, explain_fai
 from lightning_parallel.pipeline.traced_blocks import find_blocks, flop_costs, outside_blocks, prune_children
 from lightning_parallel.seams import refuse_older_torch, transformer_masks_as_given
 
-__all__ = ["TracedNetwork", "check_traceable", "prune_children"]  # prune_children: also reached from here
+__all__ = ["TracedNetwork", "check_traceable", "prune_children", "sharing_traces"]  # prune_children: also from here
+
+_SHARED: ContextVar[list[TracedNetwork] | None] = ContextVar("lightning_parallel_shared_trace", default=None)
 
 
 class TracedNetwork:
@@ -64,16 +67,28 @@ class TracedNetwork:
             that follow the block up to the next one (what a stage starting at that block computes).
     """
 
+    _signature: tuple  # what its traces depend on (`_signature`)
+    _copies: bool  # stage modules are copies of the cached traces (`sharing_traces`), not the traces themselves
+
     def __init__(
         self,
         network: nn.Module,
         example_inputs: torch.Tensor | Sequence[torch.Tensor],
         call: NetworkCall | None = None,
     ) -> None:
+        inputs = _as_inputs(example_inputs)
+        call = call if call is not None else NetworkCall(len(inputs))
+        shared = _SHARED.get()
+        template = shared[0] if shared else None
+        if template is not None and template._signature == _signature(network, inputs, call):
+            self.__dict__.update(template.__dict__)  # its traces, blocks and costs; stages copied per use
+            self._copies = True
+            return
         self._name = type(network).__name__
         self._meta = meta_copy(network)
-        inputs = _as_inputs(example_inputs)
-        self.call = call if call is not None else NetworkCall(len(inputs))
+        self._signature = _signature(self._meta, inputs, call)
+        self._copies = False
+        self.call = call
         self._out_spec: pytree.TreeSpec | None = None
         self._scalars: frozenset[int] = frozenset()  # indices of 0-d outputs (a loss)
         self._aliases = tensor_aliases(self._meta)
@@ -91,6 +106,8 @@ class TracedNetwork:
         finest = self._chain(inputs, [[name] for name in self.blocks], modes)
         self.costs = flop_costs(finest, inputs)
         self._uses = [canonical_names(stage, self._meta) for stage in finest]
+        if shared is not None and not shared:
+            shared.append(self)  # the first network traced inside `sharing_traces()` serves those like it
 
     def stage_modules(
         self,
@@ -122,8 +139,9 @@ class TracedNetwork:
                 raise ValueError(
                     f"stage index {index} is out of range for {len(chain)} stages. HINT: use 0..{len(chain) - 1}."
                 )
-            rebind(chain[index], network, f"stage {index} ({split[index][0]}..{split[index][-1]})", self._aliases)
-            built[index] = chain[index]
+            stage = copy.deepcopy(chain[index]) if self._copies else chain[index]
+            rebind(stage, network, f"stage {index} ({split[index][0]}..{split[index][-1]})", self._aliases)
+            built[index] = stage
         return built
 
     def output(self, value: object) -> object:
@@ -165,7 +183,10 @@ class TracedNetwork:
     ) -> list[nn.Module]:
         """Traced chain stages on the meta copy, cached per (split, shapes, modes, device)."""
         shapes = tuple((tuple(t.shape), t.dtype) for t in inputs)
-        key = (tuple(map(tuple, split)), shapes, tuple(sorted(modes.items())), str(device))
+        # the modes as the trace applies them (a pruned block, an Identity, takes the network's): ranks pruned to
+        # different blocks share a trace
+        applied = tuple(modes.get(name, modes[""]) for name, _ in self._meta.named_modules())
+        key = (tuple(map(tuple, split)), shapes, applied, str(device))
         if key not in self._cache:
             pipe = self._trace(inputs, [stage[0] for stage in split[1:]], modes)
             flows, outputs = stage_flows(pipe.split_gm.graph)
@@ -256,6 +277,26 @@ class TracedNetwork:
                 "pipeline stage cannot send. HINT: return only tensors (a tensor, tuple or dict of tensors)."
             )
         return pipe
+
+
+@contextlib.contextmanager
+def sharing_traces() -> Iterator[None]:
+    """Inside, the first `TracedNetwork` built traces its network, and each later one of a network like it (same
+    class, parameter names, shapes and dtypes, same example shapes and call) reuses its traces, blocks and costs
+    instead of tracing again, binding copies of the traced stages (each network its own): the dry run checks and
+    sets up every pipeline rank of one network from one trace (~11 s of CPU per trace of Llama-3-8B's shapes).
+    Outside, each `TracedNetwork` traces its own network."""
+    token = _SHARED.set([])
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def _signature(network: nn.Module, inputs: tuple[torch.Tensor, ...], call: NetworkCall) -> tuple:
+    """What a trace depends on besides values: the network's class and parameters, and the inputs' shapes."""
+    params = tuple((name, tuple(p.shape), p.dtype) for name, p in network.named_parameters(remove_duplicate=False))
+    return type(network), params, tuple((tuple(t.shape), t.dtype) for t in inputs), call
 
 
 def check_traceable(
