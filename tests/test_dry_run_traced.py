@@ -8,7 +8,8 @@ import torch
 import lightning_parallel as lp
 from lightning_parallel.one_process_ranks import fake_rank, local_part
 from lightning_parallel.parallelize import parallelize_pipeline
-from lightning_parallel.pipeline.traced import TracedNetwork, sharing_traces
+from lightning_parallel.pipeline.traced import TracedNetwork
+from lightning_parallel.pipeline.traced_sharing import sharing_traces
 from tests.hf_modules import VOCAB, HFLlama
 
 BATCH = {"input_ids": torch.randint(0, VOCAB, (8, 16), generator=torch.Generator().manual_seed(0))}

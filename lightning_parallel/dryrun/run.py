@@ -15,7 +15,7 @@ import torch
 from lightning_parallel.dryrun.prediction import layout_of, predict, workload_of
 from lightning_parallel.dryrun.report import DryRun, RoleRow, device_limit
 from lightning_parallel.dryrun.role import Role, built_by_configure_model, measure_role, stage_boundaries
-from lightning_parallel.pipeline.traced import sharing_traces
+from lightning_parallel.pipeline.traced_sharing import sharing_traces
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
 

@@ -13,8 +13,7 @@ import copy
 import functools
 import io
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
-from contextvars import ContextVar
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -35,11 +34,10 @@ from lightning_parallel.pipeline.rebind import (
 )
 from lightning_parallel.pipeline.trace_errors import check_boundary, explain_failure
 from lightning_parallel.pipeline.traced_blocks import find_blocks, flop_costs, outside_blocks, prune_children
+from lightning_parallel.pipeline.traced_sharing import offer, signature, template_for
 from lightning_parallel.seams import refuse_older_torch, transformer_masks_as_given
 
-__all__ = ["TracedNetwork", "check_traceable", "prune_children", "sharing_traces"]  # prune_children: also from here
-
-_SHARED: ContextVar[list[TracedNetwork] | None] = ContextVar("lightning_parallel_shared_trace", default=None)
+__all__ = ["TracedNetwork", "check_traceable", "prune_children"]  # prune_children: also reached from here
 
 
 class TracedNetwork:
@@ -67,7 +65,7 @@ class TracedNetwork:
             that follow the block up to the next one (what a stage starting at that block computes).
     """
 
-    _signature: tuple  # what its traces depend on (`_signature`)
+    signature: tuple  # what its traces depend on (`traced_sharing.signature`)
     _copies: bool  # stage modules are copies of the cached traces (`sharing_traces`), not the traces themselves
 
     def __init__(
@@ -78,15 +76,14 @@ class TracedNetwork:
     ) -> None:
         inputs = _as_inputs(example_inputs)
         call = call if call is not None else NetworkCall(len(inputs))
-        shared = _SHARED.get()
-        template = shared[0] if shared else None
-        if template is not None and template._signature == _signature(network, inputs, call):
+        template = template_for(network, inputs, call)  # `sharing_traces()`: one trace for like networks
+        if template is not None:
             self.__dict__.update(template.__dict__)  # its traces, blocks and costs; stages copied per use
             self._copies = True
             return
         self._name = type(network).__name__
         self._meta = meta_copy(network)
-        self._signature = _signature(self._meta, inputs, call)
+        self.signature = signature(self._meta, inputs, call)
         self._copies = False
         self.call = call
         self._out_spec: pytree.TreeSpec | None = None
@@ -106,8 +103,7 @@ class TracedNetwork:
         finest = self._chain(inputs, [[name] for name in self.blocks], modes)
         self.costs = flop_costs(finest, inputs)
         self._uses = [canonical_names(stage, self._meta) for stage in finest]
-        if shared is not None and not shared:
-            shared.append(self)  # the first network traced inside `sharing_traces()` serves those like it
+        offer(self)
 
     def stage_modules(
         self,
@@ -277,26 +273,6 @@ class TracedNetwork:
                 "pipeline stage cannot send. HINT: return only tensors (a tensor, tuple or dict of tensors)."
             )
         return pipe
-
-
-@contextlib.contextmanager
-def sharing_traces() -> Iterator[None]:
-    """Inside, the first `TracedNetwork` built traces its network, and each later one of a network like it (same
-    class, parameter names, shapes and dtypes, same example shapes and call) reuses its traces, blocks and costs
-    instead of tracing again, binding copies of the traced stages (each network its own): the dry run checks and
-    sets up every pipeline rank of one network from one trace (~11 s of CPU per trace of Llama-3-8B's shapes).
-    Outside, each `TracedNetwork` traces its own network."""
-    token = _SHARED.set([])
-    try:
-        yield
-    finally:
-        _SHARED.reset(token)
-
-
-def _signature(network: nn.Module, inputs: tuple[torch.Tensor, ...], call: NetworkCall) -> tuple:
-    """What a trace depends on besides values: the network's class and parameters, and the inputs' shapes."""
-    params = tuple((name, tuple(p.shape), p.dtype) for name, p in network.named_parameters(remove_duplicate=False))
-    return type(network), params, tuple((tuple(t.shape), t.dtype) for t in inputs), call
 
 
 def check_traceable(
