@@ -104,6 +104,17 @@ def fake_tensors() -> Iterator[Any]:
         DeviceMesh.__init__ = original  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def outside_fake_tensors() -> Iterator[None]:
+    """Inside `fake_tensors()`, a stretch where tensors are made for real again (torch's `unset_fake_temporarily`):
+    for copying and tracing modules that hold meta tensors, whose copies the fake mode would turn into fake ones
+    (`Tensor.__deepcopy__` then refuses: the clone's type is not the original's)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        yield
+
+
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard without `to_local()`'s autograd function (`DTensor._local_tensor`, private), which
     costs a dispatch per parameter under FakeTensorMode; any other tensor as it is."""

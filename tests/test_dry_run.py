@@ -137,7 +137,7 @@ def test_train_py_dry_run_writes_its_rows_and_refuses_what_does_not_fit(tmp_path
 
 def test_transformers_llama_from_a_config_without_weights() -> None:
     """A tiny LlamaForCausalLM built on meta, its own tensor plan at tp2 x dp8 (16 ranks): every parameter but the
-    norms split over tp, then all over dp by FSDP2; a traced pipeline is refused in one line (not yet supported)."""
+    norms split over tp, then all over dp by FSDP2 (its traced pipeline: test_dry_run_traced.py)."""
     from tests.hf_modules import HFLlama
 
     with torch.device("meta"):
@@ -150,8 +150,6 @@ def test_transformers_llama_from_a_config_without_weights() -> None:
     others = sum(p.numel() for n, p in module.named_parameters() if "norm" not in n)
     assert row.measured["params"] == (others // 2 + norms) // 8 * 4
     assert row.ranks == 16 and row.predicted is not None and "self_attn" in " ".join(row.sharded)
-    with pytest.raises(ValueError, match=r"split by tracing.*HINT: dry-run it with pipeline_parallel_size=1"):
-        lp.dry_run(module, lp.PipelineParallelStrategy(pipeline_parallel_size=2), devices=2, batch=batch)
 
 
 def test_fsdp_replicas_keep_few_blocks_gathered_at_the_step_peak() -> None:
@@ -217,3 +215,28 @@ def test_the_optimizer_state_counts_through_forward_and_backward() -> None:
         peaks[optimizer] = tracked_step(module, run)["peak_total"]
     weight = 64 * 64 * 4
     assert peaks[torch.optim.AdamW] - peaks[torch.optim.SGD] >= 2 * weight, peaks
+
+
+class BuiltInConfigureModel(LanguageModelTask):
+    """The tiny GPT task, its network built in configure_model() (once), as Lightning's docs build large models."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.nn.Identity(), optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+        self.model = None  # type: ignore[assignment]
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = GPT(vocab_size=VOCAB, context_length=CONTEXT, depth=4, width=WIDTH, heads=4)
+
+
+def test_a_network_built_in_configure_model_is_built_on_meta_for_each_role(three_d: lp.dryrun.DryRun) -> None:
+    """configure_model() runs on the meta device on a copy (the user's module keeps no network), and the roles hold
+    what they hold when the network is built in __init__; the tensor strategy, which runs the hook instead of a plan,
+    is refused in one line."""
+    module = BuiltInConfigureModel()
+    strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, replicas="fsdp")
+    result = lp.dry_run(module, strategy, devices=16, batch=tiny_batch())
+    assert module.model is None
+    assert [row.measured for row in result.rows] == [row.measured for row in three_d.rows]
+    with pytest.raises(ValueError, match=r"overrides configure_model\(\).*HINT: give the strategy a plan"):
+        lp.dry_run(module, lp.TensorParallelStrategy(tensor_parallel_size=2), devices=2, batch=tiny_batch())

@@ -106,22 +106,23 @@ class DryRun:
         os.replace(tmp, path)
 
     def __str__(self) -> str:
+        spans = [f"{row.blocks[0]}..{row.blocks[-1]} ({len(row.blocks)})" if row.blocks else "-" for row in self.rows]
+        wide = max([22, *map(len, spans)])  # a traced network's blocks have long names (model.layers.31)
         lines = [
             f"dry run: {self.strategy} {self.layout} on {self.world_size} ranks (fake process group, fake tensors); "
             f"planner: {self.planner}",
-            f"{'role':<10} {'ranks':>5} {'blocks':<22} {'sharded':>7} | "
+            f"{'role':<10} {'ranks':>5} {'blocks':<{wide}} {'sharded':>7} | "
             + " | ".join(f"{k:>21}" for k in KEYS)
             + f" | {'set-up peak':>11} | miss",
         ]
-        for row in self.rows:
+        for row, blocks in zip(self.rows, spans, strict=True):
             cells = []
             for key in KEYS:
                 guess = human_bytes(row.predicted[key]) if row.predicted is not None else "-"
                 cells.append(f"{human_bytes(row.measured[key]):>10} /{guess:>10}")
-            blocks = f"{row.blocks[0]}..{row.blocks[-1]} ({len(row.blocks)})" if row.blocks else "-"
             miss = f"{row.miss:+.1%}" if row.miss is not None else "-"
             lines.append(
-                f"{row.role:<10} {row.ranks:>5} {blocks:<22} {len(row.sharded):>7} | "
+                f"{row.role:<10} {row.ranks:>5} {blocks:<{wide}} {len(row.sharded):>7} | "
                 + " | ".join(cells)
                 + f" | {human_bytes(row.set_up_peak_bytes):>11} | {miss}"
             )

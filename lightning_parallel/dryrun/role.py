@@ -23,6 +23,7 @@ from lightning_parallel.parallelize.replicas import modules_split_over
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
 from lightning_parallel.strategies.tensor import TensorParallelStrategy
+from lightning_parallel.tensor.plans import keep_gradients_sharded
 from lightning_parallel.tensor.sharded_logits import logits_session, vocab_heads
 
 
@@ -88,6 +89,7 @@ def _set_up_and_step(
         else:
             raise ValueError(f"the dry run sets up the mesh strategies, got {type(strategy).__name__}")
         params = sum(_bytes(p) for p in module.parameters())
+        traced = isinstance(strategy, PipelineParallelStrategy) and dims.pp > 1 and done.stages.traced
         if isinstance(strategy, PipelineParallelStrategy) and dims.pp > 1:
             assert done.stages is not None and boundaries is not None
             run = scheduled_step(
@@ -101,33 +103,35 @@ def _set_up_and_step(
                 pp_rank=role.pp_rank,
                 microbatches=strategy.microbatches_for(dims.pp),
                 boundaries=boundaries,
+                tp_mesh=strategy.device_mesh["tp"] if traced and done.plan is not None else None,
+                heads=vocab_heads(plan),
             )
         else:
             run = whole_step(module, batch)
+        # a DTensor parameter's gradient takes the parameter's placements as it is accumulated, as the strategies'
+        # on_device() arranges (a traced stage's sharded weights get Partial whole-size gradients otherwise)
+        hooks = keep_gradients_sharded(network) if dims.tp > 1 else []
         with _vocab_session(strategy, plan):
             step = tracked_step(module, run)
+        for hook in hooks:
+            hook.remove()
         split = modules_split_over(network, "tp")
         sharded = {name: plan.get(name, "custom") for name in sorted(split)}
-        blocks = [name for name, _ in _named_blocks(network)]
+        if isinstance(strategy, PipelineParallelStrategy) and done.stages is not None:
+            blocks = list(done.stages.partition.blocks_of(role.pp_rank))  # a traced network's blocks are its cuts
+        else:
+            blocks = [name for name, _ in _named_blocks(network)]
     return Measured(params, done.peak_parameter_bytes, step, blocks, sharded, time.perf_counter() - started)
 
 
-def stage_boundaries(
-    module: pl.LightningModule, strategy: PipelineParallelStrategy, batch: Any
-) -> tuple[list[tuple], list[list[str]]]:
-    """Each stage's inputs for one micro-batch, and each pipeline rank's blocks, from the whole network cut as every
-    role cuts it (on a meta copy, outside any fake process group)."""
+def stage_boundaries(module: pl.LightningModule, strategy: PipelineParallelStrategy, batch: Any) -> list[tuple]:
+    """Each stage's inputs for one micro-batch, from the whole network cut as every role cuts it (on a meta copy,
+    outside any fake process group)."""
     from lightning_parallel.parallelize.split import partition_stages
     from lightning_parallel.pipeline.split import network_split
 
     module = copy.deepcopy(module)
     network = strategy.network_of(module)
-    if not isinstance(network, torch.nn.Sequential):
-        raise ValueError(
-            f"the dry run runs pipeline stages of an nn.Sequential; {type(network).__name__} is split by tracing, "
-            "whose stages it cannot run on fake tensors yet. HINT: dry-run it with pipeline_parallel_size=1 (or "
-            "strategy=tensor), or write the network as an nn.Sequential of blocks"
-        )
     captured = strategy._example_inputs(module, batch, "training_step")
     call, example = captured if captured is not None else (None, None)
     if example is None:
@@ -138,13 +142,12 @@ def stage_boundaries(
     microbatches = strategy.microbatches_for(strategy.dims.pp)
     rows = example[0].shape[0]
     micro = tuple(t[: rows // microbatches] if torch.is_tensor(t) and t.dim() else t for t in example)
-    split = network_split(network, micro, call)
+    split = network_split(network, example, call)  # as every rank splits it: traced on the whole batch
     partition, _ = partition_stages(
         split, spec=strategy.spec, pp=strategy.dims.pp, balance=strategy.balance, block_costs=None
     )
     bounds = boundaries_of(split, partition, micro, strategy.dims.pp)
-    per_rank = [[b for s in partition.stages_of(r) for b in partition.stages[s]] for r in range(strategy.dims.pp)]
-    return bounds, per_rank
+    return bounds
 
 
 def _named_blocks(network: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -157,17 +160,34 @@ def _bytes(tensor: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def refuse_configured(module: pl.LightningModule) -> None:
-    """A module sharding itself in `configure_model()` needs real tensors on a real mesh; the dry run has neither."""
-    if is_overridden("configure_model", module):
+def built_by_configure_model(module: pl.LightningModule, strategy: MeshStrategy) -> pl.LightningModule:
+    """A module that builds its network in `configure_model()`: a copy with the hook run under the meta device, as
+    the pipeline strategy runs it (its `tensor_init_context`, Lightning's `init_module(empty_init=True)`), so every
+    role starts from the network a real rank starts from. The tensor strategy runs the hook instead of a plan, to
+    shard on the real mesh: refused in one line. Other modules are returned as they are."""
+    if not is_overridden("configure_model", module):
+        return module
+    name = type(module).__name__
+    if isinstance(strategy, TensorParallelStrategy):
         raise ValueError(
-            f"{type(module).__name__} overrides configure_model(), which the dry run cannot run on fake tensors. "
-            "HINT: give the strategy a plan instead (plan=... or the network's tp_plan)"
+            f"{name} overrides configure_model(), which the tensor strategy runs instead of a plan to shard the "
+            "network on the real mesh; the dry run has no real mesh. HINT: give the strategy a plan instead (plan=... "
+            "or the network's tp_plan), or dry-run it under PipelineParallelStrategy, which builds it on meta"
         )
+    module = copy.deepcopy(module)
+    try:
+        with torch.device("meta"):
+            module.configure_model()
+    except Exception as error:
+        raise ValueError(
+            f"{name}.configure_model() failed on the meta device in the dry run ({type(error).__name__}: {error}). "
+            "HINT: build the network there without reading values or the device mesh, or build it in __init__"
+        ) from error
+    return module
 
 
 def _vocab_session(strategy: MeshStrategy, plan: dict[str, str]) -> Any:
     """The step's logits split by vocabulary into the loss where a real step keeps them so (the strategies' rule,
-    `sharded_logits.vocab_heads`; traced pipelines are refused before this), so the step's peak counts the 1/tp of
+    `sharded_logits.vocab_heads`, traced stages included), so the step's peak counts the 1/tp of
     them a real rank holds."""
     return logits_session(vocab_heads(plan))

@@ -14,7 +14,8 @@ import torch
 
 from lightning_parallel.dryrun.prediction import layout_of, predict, workload_of
 from lightning_parallel.dryrun.report import DryRun, RoleRow, device_limit
-from lightning_parallel.dryrun.role import Role, measure_role, refuse_configured, stage_boundaries
+from lightning_parallel.dryrun.role import Role, built_by_configure_model, measure_role, stage_boundaries
+from lightning_parallel.pipeline.traced_sharing import sharing_traces
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
 
@@ -35,7 +36,8 @@ def dry_run(
 
     Args:
         module: The LightningModule, its network built on the meta device (`with torch.device("meta"):`) so no
-            weights are ever made; it is copied, never changed.
+            weights are ever made, or in its `configure_model()`, which a pipeline dry run calls on the meta
+            device; it is copied, never changed.
         strategy: A `PipelineParallelStrategy` or `TensorParallelStrategy`, as it would be given to the Trainer.
         devices: Devices per node; num_nodes: nodes.
         batch: One training batch (what the loader gives one replica); its shapes drive the step. Required unless
@@ -49,45 +51,51 @@ def dry_run(
     Returns:
         One row per role, measured and predicted; `str()` is the table.
     """
-    refuse_configured(module)
-    world = devices * num_nodes
-    strategy._dims = strategy.resolve_dims(world)
-    strategy._dims.check_tp_fits_nodes(devices)
-    strategy.parallel_devices = [torch.device("cpu")] * devices
-    strategy.validate(module, batch=batch)
-    dims = strategy.dims
-    if batch is None:
-        example = getattr(module, "example_input_array", None)
-        batch = example
-    boundaries = None
-    if isinstance(strategy, PipelineParallelStrategy) and dims.pp > 1:
-        boundaries, _ = stage_boundaries(module, strategy, batch)
+    with sharing_traces():  # one trace of a traced network serves the check, the cut and every role
+        module = built_by_configure_model(module, strategy)
+        world = devices * num_nodes
+        strategy._dims = strategy.resolve_dims(world)
+        strategy._dims.check_tp_fits_nodes(devices)
+        strategy.parallel_devices = [torch.device("cpu")] * devices
+        strategy.validate(module, batch=batch)
+        dims = strategy.dims
+        if batch is None:
+            example = getattr(module, "example_input_array", None)
+            batch = example
+        boundaries = None
+        if isinstance(strategy, PipelineParallelStrategy) and dims.pp > 1:
+            boundaries = stage_boundaries(module, strategy, batch)
+        planner, predicted = _prediction(module, strategy, batch, precision=precision, hardware=hardware)
+        rows = []
+        for pp_rank in range(dims.pp):
+            role = Role(pp_rank=pp_rank, rank=pp_rank * dims.tp, ranks=dims.dp * dims.tp)
+            measured = measure_role(module, strategy, role, batch, boundaries)
+            rows.append(RoleRow.of(role, measured, predicted[pp_rank] if predicted is not None else None))
+        result = DryRun(
+            layout=layout_of(strategy).label,
+            world_size=world,
+            strategy=type(strategy).__name__,
+            rows=rows,
+            limit=device_limit(device_memory),
+            planner=planner,
+        )
+        if output_dir is not None:
+            result.write(Path(output_dir) / "dry_run.json")
+        return result
+
+
+def _prediction(
+    module: pl.LightningModule, strategy: MeshStrategy, batch: Any, *, precision: str, hardware: str
+) -> tuple[str, list[dict[str, float]] | None]:
+    """What the planner analysed (or why nothing), and its figures per pipeline rank."""
     network = strategy.network_of(module)
     args, kwargs = _network_inputs(module, strategy, batch)
     workload = workload_of(network, args, kwargs, strategy)
+    if workload is None:
+        return f"none (no analysis of {type(network).__name__} here)", None
     first = next((t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim()), None)
-    rows_per_batch = int(first.shape[0]) if first is not None else 1
-    predicted = (
-        predict(workload, strategy, batch=rows_per_batch, precision=precision, hardware=hardware)
-        if workload is not None
-        else None
-    )
-    rows = []
-    for pp_rank in range(dims.pp):
-        role = Role(pp_rank=pp_rank, rank=pp_rank * dims.tp, ranks=dims.dp * dims.tp)
-        measured = measure_role(module, strategy, role, batch, boundaries)
-        rows.append(RoleRow.of(role, measured, predicted[pp_rank] if predicted is not None else None))
-    result = DryRun(
-        layout=layout_of(strategy).label,
-        world_size=world,
-        strategy=type(strategy).__name__,
-        rows=rows,
-        limit=device_limit(device_memory),
-        planner=workload.name if workload is not None else f"none (no analysis of {type(network).__name__} here)",
-    )
-    if output_dir is not None:
-        result.write(Path(output_dir) / "dry_run.json")
-    return result
+    rows = int(first.shape[0]) if first is not None else 1
+    return workload.name, predict(workload, strategy, batch=rows, precision=precision, hardware=hardware)
 
 
 def _network_inputs(

@@ -13,14 +13,16 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_parallel.dryrun.live_bytes import LiveBytes
-from lightning_parallel.one_process_ranks import local_part
+from lightning_parallel.one_process_ranks import local_part, outside_fake_tensors
 from lightning_parallel.parameter_kinds import then_by_kind
 from lightning_parallel.pipeline.partition import Partition
 from lightning_parallel.pipeline.schedule_plan import ScheduleSpec, rank_actions
 from lightning_parallel.pipeline.split import NetworkSplit
 from lightning_parallel.strategies.user_step import _loss_of, slice_batch, swap_attribute
+from lightning_parallel.tensor.traced_stages import stages_on_mesh
 
 
 def optimizer_of(module: pl.LightningModule) -> torch.optim.Optimizer:
@@ -90,15 +92,21 @@ def scheduled_step(
     pp_rank: int,
     microbatches: int,
     boundaries: Sequence[tuple[Any, ...]],
+    tp_mesh: DeviceMesh | None = None,
+    heads: Sequence[str] = (),
 ) -> Callable[[], None]:
     """pp > 1: this rank's forward and backward actions in the schedule's order, each micro-batch's graph kept from
     its forward to its backward, as the schedule keeps it. `boundaries[s]`: stage s's inputs for one micro-batch
     (meta tensors), from which fake inputs of the same shapes are made; the last stage's loss is the user's step on
-    the micro-batch's rows, with the network's output substituted."""
+    the micro-batch's rows, with the network's output substituted. `tp_mesh`: traced stages compute on DTensors
+    over it, as the strategy's runtime makes them (`tensor/traced_stages.stages_on_mesh`), `heads` its vocab_heads."""
     rows = _rows(batch)
     size = rows // microbatches
     example = tuple(_like(t, grad=False) for t in boundaries[0])
-    stages = split.stage_modules(partition, pp_rank, example)
+    with outside_fake_tensors():  # a traced network's stages: traced (or copied) from meta modules
+        stages = split.stage_modules(partition, pp_rank, example)
+        if tp_mesh is not None:
+            stages, _ = stages_on_mesh(stages, None, tp_mesh, heads)
     last = len(partition.stages) - 1
 
     def forward(stage: int, micro: int) -> tuple[tuple[torch.Tensor, ...], Any]:
@@ -127,11 +135,11 @@ def scheduled_step(
 
 def boundaries_of(split: NetworkSplit, partition: Partition, example: tuple[torch.Tensor, ...], pp: int) -> list[tuple]:
     """Each stage's inputs for one micro-batch, found by running the whole (unpruned, meta) network stage by stage."""
-    modules: dict[int, nn.Module] = {}
-    for rank in range(pp):
-        modules.update(split.stage_modules(partition, rank, example))
-    inputs: list[tuple] = []
     current: tuple = tuple(t.to("meta") if torch.is_tensor(t) else t for t in example)
+    modules: dict[int, nn.Module] = {}
+    for rank in range(pp):  # traced for the meta device: nothing is moved to where the batch is
+        modules.update(split.stage_modules(partition, rank, current))
+    inputs: list[tuple] = []
     with torch.no_grad():
         for stage in range(len(partition.stages)):
             inputs.append(current)

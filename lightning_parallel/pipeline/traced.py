@@ -34,6 +34,7 @@ from lightning_parallel.pipeline.rebind import (
 )
 from lightning_parallel.pipeline.trace_errors import check_boundary, explain_failure
 from lightning_parallel.pipeline.traced_blocks import find_blocks, flop_costs, outside_blocks, prune_children
+from lightning_parallel.pipeline.traced_sharing import offer, signature, template_for
 from lightning_parallel.seams import refuse_older_torch, transformer_masks_as_given
 
 __all__ = ["TracedNetwork", "check_traceable", "prune_children"]  # prune_children: also reached from here
@@ -64,16 +65,27 @@ class TracedNetwork:
             that follow the block up to the next one (what a stage starting at that block computes).
     """
 
+    signature: tuple  # what its traces depend on (`traced_sharing.signature`)
+    _copies: bool  # stage modules are copies of the cached traces (`sharing_traces`), not the traces themselves
+
     def __init__(
         self,
         network: nn.Module,
         example_inputs: torch.Tensor | Sequence[torch.Tensor],
         call: NetworkCall | None = None,
     ) -> None:
+        inputs = _as_inputs(example_inputs)
+        call = call if call is not None else NetworkCall(len(inputs))
+        template = template_for(network, inputs, call)  # `sharing_traces()`: one trace for like networks
+        if template is not None:
+            self.__dict__.update(template.__dict__)  # its traces, blocks and costs; stages copied per use
+            self._copies = True
+            return
         self._name = type(network).__name__
         self._meta = meta_copy(network)
-        inputs = _as_inputs(example_inputs)
-        self.call = call if call is not None else NetworkCall(len(inputs))
+        self.signature = signature(self._meta, inputs, call)
+        self._copies = False
+        self.call = call
         self._out_spec: pytree.TreeSpec | None = None
         self._scalars: frozenset[int] = frozenset()  # indices of 0-d outputs (a loss)
         self._aliases = tensor_aliases(self._meta)
@@ -91,6 +103,7 @@ class TracedNetwork:
         finest = self._chain(inputs, [[name] for name in self.blocks], modes)
         self.costs = flop_costs(finest, inputs)
         self._uses = [canonical_names(stage, self._meta) for stage in finest]
+        offer(self)
 
     def stage_modules(
         self,
@@ -122,8 +135,9 @@ class TracedNetwork:
                 raise ValueError(
                     f"stage index {index} is out of range for {len(chain)} stages. HINT: use 0..{len(chain) - 1}."
                 )
-            rebind(chain[index], network, f"stage {index} ({split[index][0]}..{split[index][-1]})", self._aliases)
-            built[index] = chain[index]
+            stage = copy.deepcopy(chain[index]) if self._copies else chain[index]
+            rebind(stage, network, f"stage {index} ({split[index][0]}..{split[index][-1]})", self._aliases)
+            built[index] = stage
         return built
 
     def output(self, value: object) -> object:
@@ -165,7 +179,10 @@ class TracedNetwork:
     ) -> list[nn.Module]:
         """Traced chain stages on the meta copy, cached per (split, shapes, modes, device)."""
         shapes = tuple((tuple(t.shape), t.dtype) for t in inputs)
-        key = (tuple(map(tuple, split)), shapes, tuple(sorted(modes.items())), str(device))
+        # the modes as the trace applies them (a pruned block, an Identity, takes the network's): ranks pruned to
+        # different blocks share a trace
+        applied = tuple(modes.get(name, modes[""]) for name, _ in self._meta.named_modules())
+        key = (tuple(map(tuple, split)), shapes, applied, str(device))
         if key not in self._cache:
             pipe = self._trace(inputs, [stage[0] for stage in split[1:]], modes)
             flows, outputs = stage_flows(pipe.split_gm.graph)

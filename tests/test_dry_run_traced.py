@@ -1,0 +1,65 @@
+"""The dry run of a traced pipeline (a transformers model split by tracing, not an nn.Sequential): each pipeline
+rank's bytes against the same rank set up for real in this process, and the network traced once for every rank."""
+
+from __future__ import annotations
+
+import torch
+
+import lightning_parallel as lp
+from lightning_parallel.one_process_ranks import fake_rank, local_part
+from lightning_parallel.parallelize import parallelize_pipeline
+from lightning_parallel.pipeline.traced import TracedNetwork
+from lightning_parallel.pipeline.traced_sharing import sharing_traces
+from tests.hf_modules import VOCAB, HFLlama
+
+BATCH = {"input_ids": torch.randint(0, VOCAB, (8, 16), generator=torch.Generator().manual_seed(0))}
+
+
+def pipeline(world: int) -> lp.PipelineParallelStrategy:
+    strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2)
+    strategy._dims = strategy.resolve_dims(world)
+    strategy.parallel_devices = [torch.device("cpu")] * world
+    return strategy
+
+
+def real_parameter_bytes(pp_rank: int) -> tuple[int, list[str]]:
+    """Pipeline rank `pp_rank` of pp2 x tp2 set up on real tensors (a CPU-built Llama, real storage; only the
+    collectives are the fake process group's): the bytes of the parameters it keeps, and its blocks."""
+    torch.manual_seed(0)
+    module = HFLlama()
+    strategy = pipeline(4)
+    with fake_rank(pp_rank * 2, 4):
+        strategy._mesh = strategy.dims.build_mesh("cpu")
+        done = parallelize_pipeline(
+            module.model, strategy, lambda: strategy._example_inputs(module, BATCH, "training_step") or (None, None)
+        )
+        held = sum(local_part(p).numel() * local_part(p).element_size() for p in module.parameters())
+    assert done.stages is not None and done.stages.traced
+    return held, done.stages.partition.blocks_of(pp_rank)
+
+
+def test_traced_llama_at_pp2_tp2_holds_what_a_real_set_up_holds(monkeypatch) -> None:
+    """A tiny LlamaForCausalLM built on meta, pp2 x tp2: each role's blocks and parameter bytes are those of the same
+    rank set up on real tensors, gradients as many bytes as parameters (each takes its parameter's placements),
+    AdamW's two moments; the network is traced once for all roles (4 traces: whole, every block, the split on the
+    meta device and on the batch's), not once more per role."""
+    traces = []
+    trace = TracedNetwork._trace
+    monkeypatch.setattr(TracedNetwork, "_trace", lambda self, *a, **k: traces.append(1) or trace(self, *a, **k))
+    with torch.device("meta"):
+        module = HFLlama()
+    result = lp.dry_run(module, pipeline(4), devices=4, batch=BATCH)
+    assert len(traces) == 4, len(traces)
+    monkeypatch.undo()
+    assert [row.role for row in result.rows] == ["pp rank 0", "pp rank 1"]
+    with sharing_traces():  # the real set-ups trace the CPU-built network once between them
+        real = [real_parameter_bytes(pp_rank) for pp_rank in range(2)]
+    for row, (held, blocks) in zip(result.rows, real, strict=True):
+        assert row.blocks == blocks and row.measured["params"] == held, (row.role, row.blocks, row.measured, held)
+        assert row.measured["grads"] == row.measured["params"]
+        assert 2 * held < row.measured["optimizer"] <= 2 * held + 4 * 64
+        assert row.measured["activations"] > 0 and row.sharded  # the stage's layers planned over "tp"
+    whole = sum(p.numel() * 4 for p in module.parameters())
+    norms = sum(p.numel() * 4 for n, p in module.named_parameters() if "norm" in n)
+    # every parameter but the norms is split over tp (Llama's own plan), the two ranks hold the network between them
+    assert sum(row.measured["params"] for row in result.rows) == (whole - norms) // 2 + norms
