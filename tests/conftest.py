@@ -23,6 +23,16 @@ CONF = ROOT / "conf"
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _environment_as_found() -> Iterator[None]:
+    """Each test leaves os.environ as it found it: an in-process fit leaves PL_GLOBAL_SEED (which Lightning's DDP
+    set-up reseeds from in every later fork) or a launched rank's LOCAL_RANK behind, making later tests order-bound."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture
 def compose_cfg(tmp_path: Path) -> Callable[..., DictConfig]:
     """Compose `conf/train.yaml` with overrides; outputs go to the test's tmp_path."""
