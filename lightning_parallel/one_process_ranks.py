@@ -6,7 +6,7 @@ and `LocalTensorMode` for checking the arithmetic of many ranks at once (real va
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -122,3 +122,13 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     if hasattr(tensor, "to_local") and not isinstance(local, torch.Tensor):
         raise changed("torch", "DTensor._local_tensor", "count the bytes of a shard")
     return local if isinstance(local, torch.Tensor) else tensor
+
+
+def per_rank(func: Callable[..., Any]) -> Callable[..., Any]:
+    """`func` run once per simulated rank under `simulated_ranks` (its rank-dependent ints, e.g. a shard's first row,
+    become plain ints; torch's `maybe_run_for_local_tensor`, private), and as it is anywhere else."""
+    try:
+        from torch.distributed._local_tensor import maybe_run_for_local_tensor
+    except ImportError:  # no LocalTensorMode in this torch either: nothing to simulate
+        return func
+    return maybe_run_for_local_tensor(func)

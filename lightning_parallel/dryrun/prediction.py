@@ -17,7 +17,6 @@ from lightning_parallel.planner.call_analysis import workload_from_call
 from lightning_parallel.planner.presets import hardware_preset
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
-from lightning_parallel.strategies.tensor import TensorParallelStrategy
 
 
 def layout_of(strategy: MeshStrategy) -> Layout:
@@ -60,13 +59,7 @@ def workload_of(
     parallel = bool(getattr(strategy, "sequence_parallel", False))
     given = getattr(strategy, "plan", None)
     plan = resolve_plan(network, given, tensor_parallel_size=tp, sequence_parallel=parallel)[1] if tp > 1 else {}
-    return workload_from_call(network, args, kwargs, styles=plan, vocab_parallel_loss=not _fsdp(strategy))
-
-
-def _fsdp(strategy: MeshStrategy) -> bool:
-    """FSDP2 replicas (which gather the logits the vocabulary-parallel loss would keep split)."""
-    replicas = "fsdp" if isinstance(strategy, TensorParallelStrategy) else getattr(strategy, "replicas", None)
-    return strategy.dims.dp > 1 and replicas == "fsdp"
+    return workload_from_call(network, args, kwargs, styles=plan)
 
 
 def predict(

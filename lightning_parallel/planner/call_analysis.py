@@ -19,6 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.planner.analysis import _ShardTracker, tp_modulus
 from lightning_parallel.planner.workload import Block, Workload, human_count
+from lightning_parallel.tensor.sharded_logits import vocab_heads
 
 
 def units_of(network: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -51,7 +52,6 @@ def workload_from_call(
     *,
     styles: Mapping[str, str],
     name: str | None = None,
-    vocab_parallel_loss: bool = True,
 ) -> Workload:
     """Per-unit figures of ``network(*args, **kwargs)`` (its tensors' shapes only; 2 or more rows) on fake tensors.
 
@@ -59,8 +59,9 @@ def workload_from_call(
         network: Any module, best built on the meta device; a copy runs, the module is not changed.
         args, kwargs: One batch's network inputs (e.g. ``input_ids`` and ``labels``).
         styles: The exact-name tensor-parallel plan the strategy resolves (``parallelize.plan.resolve_plan``).
-        vocab_parallel_loss: Whether a loss after a unit sharded by vocabulary keeps its logits split (as a rank does
-            where the strategies run the vocabulary-parallel loss: not under FSDP2 replicas, which gather them).
+
+    A loss after a `vocab_head` keeps its logits split by vocabulary, by the rule the strategies and the dry run
+    follow (`tensor.sharded_logits.vocab_heads`: under plain and FSDP2 replicas alike).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -104,7 +105,7 @@ def workload_from_call(
             for handle in handles:
                 handle.remove()
         parameter_ids = {id(p) for p in meta.parameters()}
-        split_loss = {unit for unit in order if vocab_parallel_loss and "vocab" in styles.get(unit, "")}
+        split_loss = set(vocab_heads(styles)) & set(order)
         blocks = [_block(unit, dict(meta.named_modules())[unit], figures[unit], tracker, flops, parameter_ids, rows,
                          split_loss=unit in split_loss) for unit in order]  # fmt: skip
     total = sum(b.params for b in blocks)

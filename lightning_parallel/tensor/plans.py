@@ -203,9 +203,9 @@ def sharding_first(plan: Mapping[str, str]) -> list[str]:
 def keep_gradients_sharded(model: nn.Module) -> list[RemovableHandle]:
     """Give a DTensor parameter's gradient the parameter's own placements as it is accumulated.
 
-    DTensor has no sharded backward for a vocabulary-parallel embedding (torch 2.13): its gradient comes back
-    replicated, vocabulary x width on every rank, and would stay that size through the optimizer step; Replicate ->
-    Shard is a local slice, so that hook never communicates inside backward. Inside traced pipeline stages
+    An embedding under torch's own `RowwiseParallel` (not our "vocab_parallel", `vocab_embedding.py`) gets its
+    gradient back replicated, vocabulary x width on every rank (torch 2.13); Replicate -> Shard is a local slice, so
+    that hook never communicates inside backward. Inside traced pipeline stages
     (`traced_stages.py`) a Replicate parameter's gradient may come back Partial: it is all-reduced here. Register
     after the last `Module.to()`: it swaps DTensor parameters' contents (`swap_tensors`) and their hooks go with them.
     """

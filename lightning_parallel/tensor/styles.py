@@ -30,6 +30,7 @@ from lightning_parallel.tensor.local_heads import LocalHeads, attribute_sizes
 from lightning_parallel.tensor.packed import PackedColwiseParallel
 from lightning_parallel.tensor.sharded_logits import VocabHead
 from lightning_parallel.tensor.transposed_linear import Conv1D
+from lightning_parallel.tensor.vocab_embedding import VocabParallelEmbedding
 
 MakeStyle = Callable[[bool], ParallelStyle | None]  # sequence_parallel -> torch style, None = leave the module as is
 
@@ -156,7 +157,7 @@ def _packed(pieces: int) -> MakeStyle:
 
 
 def _vocab_parallel(sp: bool) -> ParallelStyle:
-    return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    return VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=Replicate())
 
 
 def _sequence_parallel(sp: bool) -> ParallelStyle | None:
