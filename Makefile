@@ -20,8 +20,10 @@ train: $(STAMP)
 	$(PY) train.py $(ARGS)
 
 # lint first, so CI (which runs `make test`) keeps ruff and mypy clean; about 20 s
+# Two workers, each taking whole test files (--dist loadfile, so a file's module-scoped launch that serves several
+# checks runs once): in-process tests run one torch thread (tests/conftest.py), so a second file fills the second core.
 test: lint
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile $(ARGS)
 
 # `make test-torch TORCH=2.15.0`: the suite under another torch, in its own .venv-torch<version>, installed
 # from the package index (a CUDA build there; it runs on CPU). PIP_CONSTRAINT=/dev/null lifts a machine-wide
