@@ -508,3 +508,23 @@ def test_a_transformers_model_is_analysed_from_its_own_call() -> None:
         strategy = lp.TensorParallelStrategy(tensor_parallel_size=2, data_parallel_size=dp)
         (row,) = lp.dry_run(module, strategy, devices=2 * dp, batch={"input_ids": ids}).rows
         assert row.miss is not None and abs(row.miss) < 0.05, (dp, row.measured, row.predicted)
+
+
+def test_fsdp2_units_peak_where_torch_holds_their_gathered_bytes() -> None:
+    """FSDP2's transient bytes follow torch's order: a unit's backward starts with its all-gather output and copy-out
+    (2p) beside every activation before it and the later unit's reduce-scatter input; it ends with its parameters,
+    its whole gradients, that input and the earlier unit's prefetched all-gather output; not 3p at its end."""
+    from lightning_parallel.planner.memory import RankBytes, rank_memory
+
+    # a base model (embedding, layers, norm: one unit of 90) and a head (a unit of 10), bytes of 1 per element
+    rank = RankBytes(params=[10.0, 80.0, 0.0, 10.0], activations=[1.0, 20.0, 1.0, 5.0], rematerialised=0.0,
+                     replica_units=[90.0, 10.0], unit_starts=[0, 3])  # fmt: skip
+    kwargs = {"micro": 1, "stages_per_rank": 1, "at_first_grad": 1, "with_grads": 0, "sizes": (1, 1, 1)}
+    memory = rank_memory(rank, shard=8, optimizer_states=2, **kwargs)
+    # the base model's backward start: activations to the norm (22), gradients made (the head's, 1.25), 2 x 90
+    # gathered, the head's reduce-scatter input (10)
+    assert memory["gathered"] == 190.0 and memory["total"] == 4 * 12.5 - 12.5 + 22 + 1.25 + 190, memory
+    equal = RankBytes(params=[4.0] * 4, activations=[0.0] * 4, rematerialised=0.0, replica_units=[4.0] * 4,
+                      unit_starts=[0, 1, 2, 3])  # fmt: skip
+    # an inner unit's end: its parameters and gradients, the next unit prefetched, the last one's input (4 x 4)
+    assert rank_memory(equal, shard=4, optimizer_states=2, **kwargs)["gathered"] == 16.0

@@ -72,13 +72,20 @@ def rank_memory(
     params = sum(rank.params) / shard
     grads = [p / shard * grad_bytes for p in rank.params]
     micro_acts = [a * micro / stages_per_rank for a in rank.activations]
-    # FSDP2, at the end of a unit's backward (its first block's): its parameters and the unit before it (prefetched)
-    # gathered whole, its whole gradients and their copy into the reduce-scatter's flat input (chunk_cat)
+    # FSDP2 (torch's _fsdp_param_group.py), beside the unit after it's reduce-scatter input (kept until this unit's
+    # post_backward): at its backward's start (last block) the all-gather output and its copy-out (2p), at its end
+    # (first block) its parameters, the unit before it's all-gather output (prefetched) and its whole gradients
     transients = [0.0] * len(grads)
     if shard > 1:
         units = list(rank.replica_units)
-        for start, p, b in zip(rank.unit_starts, units, [0.0, *units[:-1]], strict=True):
-            transients[start] = (p + b) * param_bytes + 2 * p * grad_bytes
+        ends = [*rank.unit_starts[1:], len(grads)]
+        for i, (start, end, p) in enumerate(zip(rank.unit_starts, ends, units, strict=True)):
+            before, after = (units[i - 1] if i else 0.0), (units[i + 1] if i + 1 < len(units) else 0.0)
+            kept_input = after * grad_bytes
+            at_start = (p + max(p, before)) * param_bytes + kept_input
+            at_end = (p + before) * param_bytes + p * grad_bytes + kept_input
+            transients[end - 1] = max(transients[end - 1], at_start)
+            transients[start] = max(transients[start], at_end)
     peak = peak_of_step(grads, micro_acts, at_first_grad=at_first_grad, with_grads=with_grads, transients=transients)
     gathered = max(transients, default=0.0)
     memory = {
