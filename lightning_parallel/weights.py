@@ -217,14 +217,20 @@ def _hf_init_keyed_by_name(network: nn.Module) -> Iterator[None]:
 
 @contextmanager
 def _ties_held_here(network: nn.Module) -> Iterator[None]:
-    """transformers' `init_weights()` ties each `all_tied_weights_keys` pair (target -> source) and raises where a
-    pipeline rank was pruned to one end; such a pair is left to `parallelize/tie.py` (one value on every holder)."""
+    """transformers' `init_weights()` ties each `all_tied_weights_keys` pair (target -> source) after drawing and raises
+    where a pipeline rank was pruned to one end; such a pair is left to `parallelize/tie.py`. A pair held here is tied
+    before drawing, so it keeps the last module's draw, the value that step gives every holder (`TiedGroup.source`)."""
     tied = getattr(network, "all_tied_weights_keys", None)
     if not isinstance(tied, dict):
         yield
         return
-    here = {name for name, _ in network.named_parameters(remove_duplicate=False)}
-    network.all_tied_weights_keys = {t: s for t, s in tied.items() if t in here and s in here}  # type: ignore[assignment]
+    here = dict(network.named_parameters(remove_duplicate=False))
+    held = {t: s for t, s in tied.items() if t in here and s in here}
+    for target, source in held.items():  # tied before drawing: one tensor, the last module initialised keeps it
+        if here[target] is not here[source]:
+            parent, _, leaf = target.rpartition(".")
+            setattr(network.get_submodule(parent), leaf, here[source])
+    network.all_tied_weights_keys = held  # type: ignore[assignment]
     try:
         yield
     finally:
