@@ -178,9 +178,63 @@ def parameter_bytes(network: nn.Module) -> int:
 def _initialise(network: nn.Module) -> None:
     init_weights = getattr(network, "init_weights", None)
     if callable(init_weights):
-        init_weights()
+        with _ties_held_here(network), _hf_init_keyed_by_name(network):
+            init_weights()
     else:
         init_by_name(network, init_default)
+
+
+@contextmanager
+def _hf_init_keyed_by_name(network: nn.Module) -> Iterator[None]:
+    """transformers' `init_weights()` draws every module's values from the global RNG in module order, so a pruned
+    pipeline rank would draw others than one process: each `_init_weights(module)` call is seeded here from
+    (seed, the module's name), as `init_by_name` does. Nothing for a network that is not a transformers model."""
+    models = [
+        m
+        for m in network.modules()
+        if callable(getattr(m, "_init_weights", None)) and hasattr(m, "all_tied_weights_keys")
+    ]
+    base, names = torch.initial_seed(), {id(m): name for name, m in network.named_modules()}
+
+    def keyed(original: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
+        def init(module: nn.Module) -> None:
+            tensors = [*module.parameters(), *module.buffers()]
+            device = next((t.device for t in tensors if not t.is_meta), torch.device("cpu"))
+            with _seeded_rng(device, _name_seed(base, names.get(id(module), ""))):
+                original(module)
+
+        return init
+
+    for model in models:
+        wrapped = keyed(model._init_weights)  # type: ignore[arg-type]
+        model._init_weights = wrapped  # type: ignore[assignment]  # the instance's, shadowing its class's method
+    try:
+        yield
+    finally:
+        for model in models:
+            del model._init_weights
+
+
+@contextmanager
+def _ties_held_here(network: nn.Module) -> Iterator[None]:
+    """transformers' `init_weights()` ties each `all_tied_weights_keys` pair (target -> source) after drawing and raises
+    where a pipeline rank was pruned to one end; such a pair is left to `parallelize/tie.py`. A pair held here is tied
+    before drawing, so it keeps the last module's draw, the value that step gives every holder (`TiedGroup.source`)."""
+    tied = getattr(network, "all_tied_weights_keys", None)
+    if not isinstance(tied, dict):
+        yield
+        return
+    here = dict(network.named_parameters(remove_duplicate=False))
+    held = {t: s for t, s in tied.items() if t in here and s in here}
+    for target, source in held.items():  # tied before drawing: one tensor, the last module initialised keeps it
+        if here[target] is not here[source]:
+            parent, _, leaf = target.rpartition(".")
+            setattr(network.get_submodule(parent), leaf, here[source])
+    network.all_tied_weights_keys = held  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        network.all_tied_weights_keys = tied  # type: ignore[assignment]
 
 
 def check_resettable(network: nn.Module) -> None:

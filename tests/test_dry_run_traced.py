@@ -3,6 +3,8 @@ rank's bytes against the same rank set up for real in this process, and the netw
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
+import pytest
 import torch
 
 import lightning_parallel as lp
@@ -10,13 +12,14 @@ from lightning_parallel.one_process_ranks import fake_rank, local_part
 from lightning_parallel.parallelize import parallelize_pipeline
 from lightning_parallel.pipeline.traced import TracedNetwork
 from lightning_parallel.pipeline.traced_sharing import sharing_traces
-from tests.hf_modules import VOCAB, HFLlama
+from lightning_parallel.weights import materialize
+from tests.hf_modules import HFLM, VOCAB, HFLlama
 
 BATCH = {"input_ids": torch.randint(0, VOCAB, (8, 16), generator=torch.Generator().manual_seed(0))}
 
 
-def pipeline(world: int) -> lp.PipelineParallelStrategy:
-    strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2)
+def pipeline(world: int, tp: int = 2) -> lp.PipelineParallelStrategy:
+    strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=tp)
     strategy._dims = strategy.resolve_dims(world)
     strategy.parallel_devices = [torch.device("cpu")] * world
     return strategy
@@ -63,3 +66,59 @@ def test_traced_llama_at_pp2_tp2_holds_what_a_real_set_up_holds(monkeypatch) -> 
     norms = sum(p.numel() * 4 for n, p in module.named_parameters() if "norm" in n)
     # every parameter but the norms is split over tp (Llama's own plan), the two ranks hold the network between them
     assert sum(row.measured["params"] for row in result.rows) == (whole - norms) // 2 + norms
+
+
+class TiedQwen2(HFLM):
+    """Qwen2 with its head tied to the embedding (as Qwen2-0.5B ships), AdamW."""
+
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        config = Qwen2Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=True,
+        )  # fmt: skip
+        self.model, self.lr, self.adamw = Qwen2ForCausalLM(config), 1e-2, True
+
+
+@pytest.mark.parametrize("build", [TiedQwen2, HFLM], ids=["qwen2", "gpt2"])
+def test_tied_transformers_model_built_on_meta_splits_at_pp2_with_one_process_values(build) -> None:
+    """A tied transformers model built on meta (trainer.init_module()) at pp2: the dry run runs (transformers' own tie
+    is left out on the rank holding one end) and each rank set up for real starts from the values one process
+    materialises, but rank 0's embedding, which the tie step's broadcast (a no-op here) gives rank 1's value."""
+    with torch.device("meta"):
+        module = build()
+    assert [row.role for row in lp.dry_run(module, pipeline(2, tp=1), devices=2, batch=BATCH).rows] == [
+        "pp rank 0",
+        "pp rank 1",
+    ]
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        whole = build()
+    materialize(whole.model, torch.device("cpu"))
+    one = dict(whole.model.named_parameters(remove_duplicate=False))
+    assert whole.model.lm_head.weight is whole.model.get_input_embeddings().weight  # tied again after materialising
+    embedding = next(n for n, p in one.items() if p is whole.model.get_input_embeddings().weight and "lm_head" not in n)
+    compared = set()
+    with sharing_traces():  # the two set-ups trace the network once between them
+        for pp_rank in range(2):
+            for name, param in set_up_on_meta(build, pp_rank).named_parameters(remove_duplicate=False):
+                if (pp_rank, name) != (0, embedding):  # the tie step gives it the last user's (rank 1's) value
+                    assert torch.equal(param, one[name]), (pp_rank, name)
+                    compared.add(name)
+    assert compared == set(one) - {embedding}, set(one) - compared  # rank 1's head: that one tensor
+
+
+def set_up_on_meta(build, pp_rank: int) -> torch.nn.Module:
+    """Pipeline rank `pp_rank` of pp2 set up from a network built on meta (seed 0); only collectives are fake."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        module = build()
+    strategy = pipeline(2, tp=1)
+    with fake_rank(pp_rank, 2):
+        strategy._mesh = strategy.dims.build_mesh("cpu")
+        parallelize_pipeline(
+            module.model, strategy, lambda: strategy._example_inputs(module, BATCH, "training_step") or (None, None)
+        )
+    return module.model
