@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.planner.workload import Block, Workload, human_count
@@ -137,26 +139,47 @@ def _saved_as_devices_run(block: nn.Module, x: torch.Tensor, styles: dict[str, s
 
 
 class _ShardTracker:
-    """Forward hooks that record which tensors of a block are tensor-parallel shards, and its collectives."""
+    """Forward hooks that record which tensors of a block are tensor-parallel shards, and its collectives.
+
+    A shard stays one through the functional code between modules (an attention's head reshapes, RoPE, SDPA): any
+    torch op with a shard among its inputs returns shards, except inside a planned module (a row-parallel output is
+    whole after its all-reduce) and in the tracked root's own forward (a loss on logits the strategy gathers)."""
 
     def __init__(self, modules: dict[str, nn.Module], styles: dict[str, str]) -> None:
         self.modules, self.styles = modules, styles
         self.sharded: dict[int, torch.Tensor] = {}  # id -> tensor (kept alive so ids stay unique)
         self.collectives: list[tuple[str, float]] = []
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._depth = {"inner": 0, "planned": 0}  # running non-root modules, running planned modules
+        self._mode = _Propagate(self)
+
+    def propagating(self) -> bool:
+        return self._depth["inner"] > 0 and self._depth["planned"] == 0
+
+    def _count(self, key: str, step: int) -> Callable[..., None]:
+        def hook(*_: object) -> None:
+            self._depth[key] += step
+
+        return hook
 
     def __enter__(self) -> _ShardTracker:
         for name, module in self.modules.items():
             style = self.styles.get(name)
+            for key, counted in (("inner", name != ""), ("planned", style is not None)):
+                if counted:
+                    self._handles.append(module.register_forward_pre_hook(self._count(key, 1)))
+                    self._handles.append(module.register_forward_hook(self._count(key, -1)))
             leaf_without_params = not any(True for _ in module.children()) and not any(
                 True for _ in module.parameters()
             )
             if style is not None or leaf_without_params:
                 self._handles.append(module.register_forward_pre_hook(self._pre_hook(style)))
                 self._handles.append(module.register_forward_hook(self._hook(style, propagate=leaf_without_params)))
+        self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
         for handle in self._handles:
             handle.remove()
 
@@ -226,3 +249,21 @@ class _ShardTracker:
             if children and name not in sharding and with_params and all(c in sharding for c in with_params):
                 sharded += total(name) - sum(total(c) for c in children)
         return float(sum(counts.get("Global", {}).values())), sharded
+
+
+class _Propagate(TorchFunctionMode):
+    """Marks every tensor an op returns as a shard when one of its tensor inputs is one (while the tracker says so)."""
+
+    def __init__(self, tracker: _ShardTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN204 - torch's signature
+        out = func(*args, **(kwargs or {}))
+        tracker = self.tracker
+        if tracker.propagating() and any(
+            isinstance(t, torch.Tensor) and id(t) in tracker.sharded for t in tree_leaves((args, kwargs))
+        ):
+            for tensor in tree_leaves(out):
+                tracker._mark(tensor)
+        return out
