@@ -16,12 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.planner.workload import Block, Workload, human_count
+from lightning_parallel.seams import dispatch_mode
 from lightning_parallel.tensor.plans import expand_plan, sharded_sizes
 from lightning_parallel.tensor.styles import STYLE_TRAITS
+
+_, tree_leaves, _ = dispatch_mode()  # torch's private pytree, through the seam
 
 
 def workload_from_module(
