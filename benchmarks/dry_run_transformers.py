@@ -12,8 +12,8 @@ import sys
 import time
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
+from causal_lm import CausalLM
 from harness import ROOT, machine, write_results
 
 sys.path.insert(0, str(ROOT))
@@ -30,20 +30,6 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {  # published configs (the fiel
 ROWS = [("Llama-3-8B", 1, 4, 2), ("Llama-3-8B", 8, 4, 2), ("Llama-3-70B", 8, 4, 8), ("Qwen2-7B", 1, 4, 2)]
 
 
-class CausalLM(pl.LightningModule):
-    """A transformers causal LM trained on its own loss from `labels`, as users write it."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-
 def measure(name: str, dp: int, pp: int, tp: int, *, rows: int, seq: int) -> dict[str, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -55,7 +41,8 @@ def measure(name: str, dp: int, pp: int, tp: int, *, rows: int, seq: int) -> dic
     with torch.device("meta"):
         module = CausalLM(AutoModelForCausalLM.from_config(config))
     strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=pp, tensor_parallel_size=tp, data_parallel_size=dp)
-    batch = {"input_ids": torch.zeros(rows, seq, dtype=torch.long)}
+    ids = torch.zeros(rows, seq, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": ids}
     result = lp.dry_run(module, strategy, devices=dp * pp * tp, batch=batch)
     print(result, flush=True)
     return {

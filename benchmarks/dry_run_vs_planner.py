@@ -77,22 +77,11 @@ def dry_run(overrides: list[str], timeout: float) -> dict[str, Any]:
 def llama_dry_run(size: str, tp: int, dp: int, directory: str) -> None:
     """`--llama`: `lightning_parallel.dry_run` of a LlamaForCausalLM of `size`'s shapes (built on meta, no weights;
     loss from labels, AdamW) under the tensor strategy, with this benchmark's batch; writes `directory/dry_run.json`."""
-    import lightning.pytorch as pl
     import torch
+    from causal_lm import CausalLM
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import lightning_parallel as lp
-
-    class CausalLM(pl.LightningModule):
-        def __init__(self, network: torch.nn.Module) -> None:
-            super().__init__()
-            self.network = network
-
-        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-            return self.network(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
     config = LlamaConfig(vocab_size=128_256, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500_000.0,
                          tie_word_embeddings=False, **LLAMA[size])  # fmt: skip

@@ -12,28 +12,14 @@ import sys
 import time
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
+from causal_lm import CausalLM
 from harness import ROOT, machine, write_results
 
 sys.path.insert(0, str(ROOT))
 
 VOCAB = 128_256  # Llama-3's
 GIB = 2**30
-
-
-class CausalLM(pl.LightningModule):
-    """A transformers causal LM trained on its own loss from `labels`, as users write it."""
-
-    def __init__(self, network: torch.nn.Module) -> None:
-        super().__init__()
-        self.network = network
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.network(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
 def measure(tokens: int, tp: int) -> dict[str, Any]:
