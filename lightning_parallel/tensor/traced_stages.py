@@ -16,7 +16,8 @@ crosses a sharded dimension). Parity is exact up to summation order; ops DTensor
 replaced: Conv2d and BatchNorm with channel-sharded parameters run on local shards (DTensor shards convolutions
 spatially only), scaled-dot-product attention runs whole on every rank (torch 2.13 has no CPU backward rule),
 dropout reduces a row-parallel layer's partial sums before it draws; a `vocab_head` takes its input whole, and a
-cross-entropy on its logits runs on their vocabulary shards in a step's `ShardedLogits` session (`vocab_loss.py`).
+cross-entropy on its logits runs on their vocabulary shards in a step's `ShardedLogits` session (`vocab_loss.py`); a
+vocabulary-sharded embedding looks up each rank's own rows (`vocab_embedding.lookup_own_rows`).
 
 Cost, honestly: every op goes through DTensor's eager dispatch (slower per op than plain tensors, like tp=1
 DTensors on GPU), a layer whose output is split or viewed across its sharded dimension (a fused q|k|v projection)
@@ -39,6 +40,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_parallel.tensor.sharded_logits import current_session
 from lightning_parallel.tensor.styles import STYLE_TRAITS
+from lightning_parallel.tensor.vocab_embedding import lookup_own_rows
 from lightning_parallel.tensor.vocab_loss import cross_entropy_on_shards, sharded_class_dim
 
 if TYPE_CHECKING:
@@ -224,20 +226,14 @@ def _attention_whole(*args: Any, **kwargs: Any) -> Any:
 
 
 def _embedding(weight: Any, indices: Any, padding_idx: int = -1, *rest: Any) -> Any:
-    """`aten.embedding` on a vocabulary-sharded table (vocab_parallel): each rank looks up the ids in its rows and the
-    partial lookups are summed at once. DTensor's own rule leaves a masked partial that an op after it (a dtype cast)
-    cannot sum, and whose backward it cannot build; the ids of other ranks' rows read row 0 and are zeroed."""
+    """`aten.embedding` on a vocabulary-sharded table (vocab_parallel): the style's own lookup of each rank's rows
+    (`vocab_embedding.lookup_own_rows`: the gradient stays the rank's rows), the partial lookups summed at once.
+    DTensor's own rule leaves a masked partial that an op after it (a dtype cast) cannot sum, and whose backward it
+    cannot build."""
     if not (_sharded(weight) and weight.placements[0] == Shard(0)) or any(rest):  # rest: scale_grad_by_freq, sparse
         return aten.embedding.default(weight, indices, padding_idx, *rest)
-    mesh = weight.device_mesh
-    local = weight.to_local()  # (V / tp, C): its gradient comes back as the parameter's Shard(0)
-    ids = _local(indices)
-    start = mesh.get_local_rank() * local.shape[0]
-    outside = (ids < start) | (ids >= start + local.shape[0])
-    padding = padding_idx - start if start <= padding_idx < start + local.shape[0] else -1  # a row of this rank's
-    out = aten.embedding.default(local, (ids - start).masked_fill(outside, 0), padding)
-    out = out.masked_fill(outside.unsqueeze(-1), 0)  # (..., C): this rank's rows, zero elsewhere
-    return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()])
+    out = lookup_own_rows(weight, indices, padding_idx if padding_idx >= 0 else None)
+    return out.redistribute(weight.device_mesh, [Replicate()])
 
 
 def _head_linear(input: Any, weight: Any, bias: Any = None) -> Any:

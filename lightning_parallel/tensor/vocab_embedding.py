@@ -4,7 +4,8 @@ partial outputs, so its backward gives each rank the gradient of its own rows on
 and makes the whole vocabulary x width gradient on every rank (2 GiB fp32 at Llama-3's 128,256 x 4,096).
 
 Exact against one device: a token outside a rank's rows reads row 0 and is zeroed (forward and backward), and the
-all-reduce adds one non-zero term per element. Only where the module's own forward runs (not traced pipeline stages).
+all-reduce adds one non-zero term per element. One lookup (`lookup_own_rows`) for the module's own forward and for
+traced pipeline stages' `aten.embedding` (`traced_stages.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel
 
 from lightning_parallel.one_process_ranks import per_rank
 
-__all__ = ["VocabParallelEmbedding"]
+__all__ = ["VocabParallelEmbedding", "lookup_own_rows"]
 
 
 class VocabParallelEmbedding(RowwiseParallel):
@@ -43,14 +44,21 @@ class _LocalRowsForward:
         weight = self.module.weight
         if not isinstance(weight, DTensor):  # set up but not sharded (e.g. replaced since): the module's own forward
             return nn.Embedding.forward(self.module, ids)  # type: ignore[return-value]
-        mesh = weight.device_mesh
-        local_ids = ids.to_local() if isinstance(ids, DTensor) else ids
-        rows = weight.to_local()  # differentiable: the gradient comes back a DTensor placed like the weight
-        index, outside = _local_index(local_ids, weight.shape[0], mesh.size(), mesh.get_local_rank())
-        out = F.embedding(index, rows).masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.module.padding_idx is not None:  # the padding row is read but gets no gradient (as `padding_idx`)
-            out = torch.where((local_ids == self.module.padding_idx).unsqueeze(-1), out.detach(), out)
-        return DTensor.from_local(out, mesh, [Partial()], run_check=False)
+        return lookup_own_rows(weight, ids, self.module.padding_idx)
+
+
+def lookup_own_rows(weight: DTensor, ids: Any, padding_idx: int | None = None) -> DTensor:
+    """The embedding of `ids` (plain or a Replicate DTensor) in `weight` split by vocabulary (Shard(0)): each rank
+    looks up the ids among its own rows, zeros elsewhere, as a Partial DTensor whose sum is the embedding; its
+    gradient comes back to `weight` as a Shard(0) DTensor of those rows. The `padding_idx` row gets no gradient."""
+    mesh = weight.device_mesh
+    local_ids = ids.to_local() if isinstance(ids, DTensor) else ids
+    rows = weight.to_local()  # differentiable: the gradient comes back a DTensor placed like the weight
+    index, outside = _local_index(local_ids, weight.shape[0], mesh.size(), mesh.get_local_rank())
+    out = F.embedding(index, rows).masked_fill(outside.unsqueeze(-1), 0.0)  # (..., C)
+    if padding_idx is not None:  # the padding row is read but gets no gradient (as `padding_idx`)
+        out = torch.where((local_ids == padding_idx).unsqueeze(-1), out.detach(), out)
+    return DTensor.from_local(out, mesh, [Partial()], run_check=False)
 
 
 @per_rank
