@@ -90,6 +90,10 @@ def test_residual_cnn_and_gpt2_at_pp2_by_tp2(tmp_path: Path) -> None:
     assert qwen2[0]["parallel"]["plan_source"] == "model" and "replicated_why" not in qwen2[0]["parallel"], qwen2[0]
     assert qwen2[0]["shapes"]["model.model.embed_tokens.weight"] == (32, 32), qwen2[0]["shapes"]  # (vocab / 2, C)
     assert qwen2[-1]["shapes"]["model.lm_head.weight"] == (32, 32), qwen2[-1]["shapes"]
+    # the last stage hands its logits on split by vocabulary: the step's F.cross_entropy runs on the shards, and
+    # nothing gathers them (not the stage's output, not the loss)
+    loss = qwen2[-1]["parallel"]
+    assert loss["vocab_parallel_loss"] and loss["logits_gathered"] == 0, loss
 
 
 @needs_torch_2_13

@@ -210,6 +210,59 @@ def test_traced_stages_compute_the_loss_on_the_logits_shards() -> None:
         assert all(float((value - whole.weight.grad).abs().max()) < 1e-6 for value in per_rank(grad))
 
 
+def test_a_traced_last_stage_hands_its_logits_on_split_by_vocabulary() -> None:
+    """A traced Llama at pp2 x tp2 (its own plan, labels padded with -100, the loss from them inside the last stage):
+    in a session the last stage returns its logits split by vocabulary, never gathered (each rank V / 2 columns), and
+    `StageLogits` passes their local shard through `PipelineStage` and back; the loss, the logits and the head's and
+    the embedding's gradients (its own rows only) are one device's. Outside a session (evaluation) they leave whole."""
+    pytest.importorskip("transformers")
+    from hf_modules import VOCAB, llama, padded
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lightning_parallel.pipeline.call import network_call
+    from lightning_parallel.pipeline.traced import TracedNetwork
+    from lightning_parallel.tensor.hf_plans import transformers_plan
+    from lightning_parallel.tensor.plans import matches
+    from lightning_parallel.tensor.sharded_logits import Counts, ShardedLogits, StageLogits, is_sharded_logits
+    from lightning_parallel.tensor.traced_stages import distribute_planned, stages_on_mesh
+
+    torch.manual_seed(0)
+    one = llama()
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    call, inputs = network_call(one, (), {"input_ids": ids, "labels": padded(ids)})
+    expected = one(input_ids=ids, labels=padded(ids), use_cache=False)
+    expected.loss.backward()
+    traced, plan = TracedNetwork(one, inputs, call), transformers_plan(one) or {}
+    split = [traced.blocks[:4], traced.blocks[4:]]  # lm_head and the norm before it on stage 1
+    traced.stage_modules(split, [0, 1], inputs, one)  # traced out here: torch.export does not run in the simulation
+    with simulated(2) as mesh:
+        network = llama()
+        network.load_state_dict(one.state_dict())
+        for name, module in network.named_modules():
+            for style in [style for pattern, style in plan.items() if name and matches(pattern, name)][:1]:
+                distribute_planned(module, style, mesh)
+        stages, _ = stages_on_mesh(traced.stage_modules(split, [0, 1], inputs, network), None, mesh, ["lm_head"])
+        logits = StageLogits()
+        logits.watch(stages)
+        with ShardedLogits() as session:
+            sent = stages[1](*stages[0](*inputs))  # what PipelineStage gets: plain tensors
+            assert not isinstance(sent[1], DTensor) and sent[1].shape == (2, 16, VOCAB // 2), sent[1].shape
+            loss, handed = logits.restore(sent)
+            assert is_sharded_logits(handed) and handed.placements == (Shard(2),), handed
+            loss.sum().backward()
+        assert session.counts == Counts(parallel=1, gathered=0), session.counts
+        assert all(float((value - expected.loss).abs().max()) < 1e-6 for value in per_rank(loss))
+        assert all(float((value - expected.logits).abs().max()) < 1e-5 for value in per_rank(handed.full_tensor()))
+        for name in ("lm_head.weight", "model.embed_tokens.weight"):
+            grad = network.get_parameter(name).grad
+            assert isinstance(grad, DTensor) and grad.to_local().shape == (VOCAB // 2, 32), (name, grad)
+            gap = (grad.full_tensor() - one.get_parameter(name).grad).abs().max()
+            assert all(float(value) < 1e-6 for value in per_rank(gap)), name
+        with torch.no_grad():
+            evaluated = stages[1](*stages[0](*inputs))[1]
+        assert not isinstance(evaluated, DTensor) and evaluated.shape == (2, 16, VOCAB), evaluated.shape
+
+
 def test_bf16_logits_under_autocast_give_one_devices_fp32_loss_and_bf16_gradient() -> None:
     """precision="bf16-mixed" runs the step under autocast, whose cross-entropy computes and returns fp32 from bf16
     logits: the loss on the shards does too (it returned bf16 before: 0.02 off at a loss of ~5, one bf16 step). Stated

@@ -68,15 +68,11 @@ class PipelinedStep(PipelineSplit):
             return
         assert self._split is not None  # split in parallelize(), before on_device()
         shares = TokenShares(replicas=self.dims.dp, group=self.group("dp"))
-        split, logits = self._split, StageLogits()  # the last stage hands the loss its logits' local shard
-        # (traced stages compute their loss inside the stage, on the shards: `traced_stages._cross_entropy`)
-        handed = bool(self.vocab_heads) and not isinstance(split, TracedSplit)
-        rebuild = (lambda value: split.output(logits.restore(value))) if handed else split.output
+        # the last stage hands the loss its logits' local shard (traced stages too: `sharded_logits.handed_on`)
+        split, logits = self._split, StageLogits() if self.vocab_heads else None
+        rebuild = (lambda value: split.output(logits.restore(value))) if logits is not None else split.output
         self._micro_steps = MicroSteps(module, network, self._user_step, rebuild, shares)
-        self._runtime = self._build_runtime(self.pp_rank)
-        if handed:
-            for stage in self._runtime.stage_modules.values():
-                stage.register_forward_hook(logits.hook)
+        self._runtime = self._build_runtime(self.pp_rank, logits)
         if self.global_rank == 0:
             rank_zero_info(
                 f"PipelineParallelStrategy: {self.spec.name}, {self.describe_layout()}\n{self.partition.table()}"
@@ -90,7 +86,7 @@ class PipelinedStep(PipelineSplit):
             if notice is not None:
                 rank_zero_warn(notice)
 
-    def _build_runtime(self, pp_rank: int) -> PipelineRuntime:
+    def _build_runtime(self, pp_rank: int, logits: StageLogits | None = None) -> PipelineRuntime:
         partition, split = self.partition, self._split
         assert split is not None
         example = self._example or ()
@@ -98,6 +94,8 @@ class PipelinedStep(PipelineSplit):
         modules, factory = split.stage_modules(partition, pp_rank, micro), split.stage_factory(partition, pp_rank)
         if self._tensor_plan is not None and isinstance(split, TracedSplit):  # traced stages compute on DTensors
             modules, factory = stages_on_mesh(modules, factory, self.device_mesh["tp"], self.vocab_heads)
+        if logits is not None:  # every stage module, those traced later per micro-batch shape included
+            modules, factory = logits.watch(modules, factory)
         return PipelineRuntime(
             stage_modules=modules,
             stage_factory=factory,

@@ -23,7 +23,7 @@ from lightning_parallel.tensor.vocab_loss import cross_entropy_on_shards, sharde
 
 __all__ = [
     "Counts", "ShardedLogits", "StageLogits", "VocabHead", "current_session", "describe_loss", "gather_logits",
-    "is_sharded_logits", "logits_session", "vocab_heads",
+    "handed_on", "is_sharded_logits", "logits_session", "vocab_heads",
 ]  # fmt: skip
 
 _MARK = "_lp_vocab_sharded"  # set on the DTensors a session hands out: the head's output and its views
@@ -59,6 +59,16 @@ def is_sharded_logits(value: object) -> bool:
 def gather_logits(value: Any) -> Any:
     """`value` with every sharded logits tensor in it (nested in tuples, lists, dicts) gathered whole, plain."""
     return pytree.tree_map(lambda t: t.full_tensor() if is_sharded_logits(t) else t, value)
+
+
+def handed_on(value: Any) -> Any:
+    """A traced stage's logits as they leave it: inside a session, still split by vocabulary, sharded logits (for the
+    loss that follows, a `vocab_head`'s output as `VocabHead` hands it out); otherwise plain and whole."""
+    if not isinstance(value, DTensor):
+        return value
+    if _SESSION.get() is not None and isinstance(value.placements[0], Shard):
+        return _mark(value)
+    return value.full_tensor()
 
 
 def _holds_logits(args: Any, kwargs: dict[str, Any]) -> bool:
@@ -208,22 +218,45 @@ class VocabHead(ColwiseParallel):
 
 class StageLogits:
     """Sharded logits across a pipeline's last stage: `PipelineStage` takes plain tensors, so the stage returns the
-    local shard (`hook`, a forward hook on the stage module) and the schedule's loss gets them back sharded
-    (`restore`). Anything else a stage returns passes as it is."""
+    local shard of each sharded logits tensor it returns, alone or in a tuple (`hook`, a forward hook on the stage
+    module, `watch` hooks them) and the schedule's loss gets them back sharded (`restore`). Anything else a stage
+    returns passes as it is."""
 
     def __init__(self) -> None:
-        self._spec: tuple[Any, ...] | None = None
+        self._specs: dict[int, tuple[Any, ...]] = {}  # position among the output's leaves -> how to rebuild it
+        self._hooked: set[int] = set()
+
+    def watch(
+        self, modules: dict[int, nn.Module], factory: Callable[[Any], dict[int, nn.Module]] | None = None
+    ) -> tuple[dict[int, nn.Module], Callable[[Any], dict[int, nn.Module]] | None]:
+        """`modules` and the modules `factory` builds later (traced stages, per micro-batch shape), hooked once each."""
+        for module in modules.values():
+            if id(module) not in self._hooked:
+                self._hooked.add(id(module))
+                module.register_forward_hook(self.hook)
+        return modules, (None if factory is None else lambda micro: self.watch(factory(micro))[0])
 
     def hook(self, module: nn.Module, args: Any, output: Any) -> Any:
-        self._spec = None
-        if is_sharded_logits(output):
-            self._spec = (output.device_mesh, output.placements, output.shape, output.stride())
-            return output.to_local()
-        return gather_logits(output) if isinstance(output, (tuple, list, dict)) else None
+        leaves, spec = pytree.tree_flatten(output)
+        self._specs = {
+            index: (leaf.device_mesh, leaf.placements, leaf.shape, leaf.stride())
+            for index, leaf in enumerate(leaves)
+            if is_sharded_logits(leaf)
+        }
+        if not self._specs:
+            return None
+        return pytree.tree_unflatten([leaf.to_local() if is_sharded_logits(leaf) else leaf for leaf in leaves], spec)
 
     def restore(self, value: Any) -> Any:
-        """The last stage's output, sharded logits again when the stage handed out their local shard."""
-        if self._spec is None or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        """The last stage's output, sharded logits again where the stage handed out their local shard."""
+        if not self._specs:
             return value
-        mesh, placements, shape, stride = self._spec
-        return _mark(DTensor.from_local(value, mesh, placements, run_check=False, shape=shape, stride=stride))
+        leaves, spec = pytree.tree_flatten(value)
+
+        def rebuilt(index: int, leaf: Any) -> Any:
+            if index not in self._specs or not isinstance(leaf, torch.Tensor) or isinstance(leaf, DTensor):
+                return leaf
+            mesh, placements, shape, stride = self._specs[index]
+            return _mark(DTensor.from_local(leaf, mesh, placements, run_check=False, shape=shape, stride=stride))
+
+        return pytree.tree_unflatten([rebuilt(index, leaf) for index, leaf in enumerate(leaves)], spec)

@@ -15,9 +15,10 @@ would, and inserts the collectives (all-reduce of a rowwise layer's partial sums
 crosses a sharded dimension). Parity is exact up to summation order; ops DTensor cannot shard correctly are
 replaced: Conv2d and BatchNorm with channel-sharded parameters run on local shards (DTensor shards convolutions
 spatially only), scaled-dot-product attention runs whole on every rank (torch 2.13 has no CPU backward rule),
-dropout reduces a row-parallel layer's partial sums before it draws; a `vocab_head` takes its input whole, and a
-cross-entropy on its logits runs on their vocabulary shards in a step's `ShardedLogits` session (`vocab_loss.py`); a
-vocabulary-sharded embedding looks up each rank's own rows (`vocab_embedding.lookup_own_rows`).
+dropout reduces a row-parallel layer's partial sums before it draws; a `vocab_head` takes its input whole, a
+cross-entropy on its logits runs on their vocabulary shards in a step's `ShardedLogits` session (`vocab_loss.py`), and
+in a session the stage holding it returns them split by vocabulary (`sharded_logits.handed_on`), for the loss after it;
+a vocabulary-sharded embedding looks up each rank's own rows (`vocab_embedding.lookup_own_rows`).
 
 Cost, honestly: every op goes through DTensor's eager dispatch (slower per op than plain tensors, like tp=1
 DTensors on GPU), a layer whose output is split or viewed across its sharded dimension (a fused q|k|v projection)
@@ -38,7 +39,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
-from lightning_parallel.tensor.sharded_logits import current_session
+from lightning_parallel.tensor.sharded_logits import current_session, handed_on
 from lightning_parallel.tensor.styles import STYLE_TRAITS
 from lightning_parallel.tensor.vocab_embedding import lookup_own_rows
 from lightning_parallel.tensor.vocab_loss import cross_entropy_on_shards, sharded_class_dim
@@ -86,14 +87,17 @@ def distribute_planned(module: nn.Module, style: str, mesh: DeviceMesh) -> None:
 def run_on_mesh(stage: nn.Module, mesh: DeviceMesh, heads: Collection[str] = ()) -> nn.Module:
     """Rewrite a traced stage's graphs in place (once) so it computes on DTensors over `mesh` and returns plain,
     whole tensors; it still takes and returns exactly what it did, so `PipelineStage` sends plain tensors. The
-    modules named in `heads` (`vocab_head`s) return their logits split by vocabulary (`_head_linear`)."""
+    modules named in `heads` (`vocab_head`s) return their logits split by vocabulary (`_head_linear`), and a stage
+    holding one returns them so inside a `ShardedLogits` session (sharded logits, `sharded_logits.handed_on`; its
+    other outputs whole): the runtime passes their local shard through `PipelineStage` (`StageLogits`)."""
     if getattr(stage, _DONE, None) is mesh:
         return stage
+    holds_head = any(name in heads for name, _ in stage.named_modules())
     for name, module in stage.named_modules():
         graph = getattr(module, "graph", None)
         if not isinstance(graph, fx.Graph):
             continue
-        _rewrite(graph, mesh, root=name == "", head=name in heads)
+        _rewrite(graph, mesh, root=name == "", head=name in heads, hands_on=holds_head)
         if isinstance(module, fx.GraphModule):
             module.recompile()
         elif callable(getattr(module, "finalize", None)):
@@ -117,8 +121,9 @@ def _traced_on_mesh(
     return {index: run_on_mesh(module, mesh, heads) for index, module in factory(micro).items()}
 
 
-def _rewrite(graph: fx.Graph, mesh: DeviceMesh, *, root: bool, head: bool = False) -> None:
-    replicate, whole = _OnMesh(_replicate, mesh), _OnMesh(_whole, mesh)
+def _rewrite(graph: fx.Graph, mesh: DeviceMesh, *, root: bool, head: bool = False, hands_on: bool = False) -> None:
+    replicate = _OnMesh(_replicate, mesh)
+    whole = handed_on if hands_on else _OnMesh(_whole, mesh)  # a head's stage: its logits leave split in a session
     for node in list(graph.nodes):
         if node.op == "call_function" and head and node.target is aten.linear.default:
             node.target = _head_linear
