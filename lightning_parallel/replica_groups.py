@@ -9,7 +9,9 @@ import copy
 import importlib
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from types import ModuleType
@@ -87,7 +89,7 @@ def join(
     when taken, since the sender keeps training (BatchNorm statistics change in its forward) while a peer downloads."""
     torchft = require_torchft()
     process_group = torchft.ProcessGroupNCCL if device.type == "cuda" else torchft.ProcessGroupGloo
-    return torchft.Manager(
+    manager = torchft.Manager(
         pg=process_group(timeout=spec.timeout),
         load_state_dict=load_state,
         state_dict=lambda: copy.deepcopy(state()),
@@ -105,6 +107,38 @@ def join(
         lighthouse_addr=spec.lighthouse,
         replica_id=f"group{spec.replica_group}",  # torchft appends a fresh uuid per start
     )
+    quorums_on_daemon_threads(manager)
+    return manager
+
+
+def quorums_on_daemon_threads(manager: Any) -> None:
+    """Run `manager`'s quorums on daemon threads. torchft (0.2) runs each on a `ThreadPoolExecutor`'s thread
+    (`Manager._executor`), which Python joins at exit: a process whose group peer died, its quorum waiting for that
+    peer until `quorum_timeout`, outlived its own failure by that long, and torchrun's SIGTERM by its 30 s grace (each
+    restart waited for the SIGKILL). A torchft without that executor is left as it is."""
+    executor = getattr(manager, "_executor", None)
+    if isinstance(executor, ThreadPoolExecutor):
+        executor.shutdown(wait=False)  # it has run nothing yet: no thread was started
+        manager._executor = DaemonCalls()
+
+
+class DaemonCalls(Executor):
+    """An executor running each call on a daemon thread of its own (torchft submits one quorum at a time, each after
+    the one before has ended), so a call still waiting at exit does not hold the process."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as error:  # as concurrent.futures' own workers: the waiter gets it
+                future.set_exception(error)
+
+        threading.Thread(target=run, name="async_quorum", daemon=True).start()
+        return future
 
 
 @torch.no_grad()

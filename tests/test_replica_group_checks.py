@@ -1,6 +1,7 @@
 """Fault-tolerant replica groups (`strategy=ft_ddp`, `ft_local_sgd`, `ft_diloco`) checked in this process: the
-one-line refusals (which need no torchft), the epoch limit lifted, the Manager's store per use, and ft_ddp's gradient
-exchange against one process with two groups simulated as threads. The live groups are in test_replica_groups.py.
+one-line refusals (which need no torchft), the epoch limit lifted, the Manager's store per use, its quorums on daemon
+threads, and ft_ddp's gradient exchange against one process with two groups simulated as threads. The live groups
+are in test_replica_groups.py.
 """
 
 from __future__ import annotations
@@ -207,3 +208,25 @@ def test_the_managers_store_is_new_for_each_use() -> None:
         client.set("manager_addr", f"use {use}")
         places.append(here)
     assert places[0] != places[1] and main.port not in {port for _, port in places}
+
+
+def test_a_quorum_still_waiting_at_exit_does_not_hold_the_process() -> None:
+    """torchft's Manager runs quorums on a ThreadPoolExecutor, whose threads Python joins at exit: a survivor whose
+    group peer died waited there for its quorum's timeout, past torchrun's SIGTERM grace (tests/test_replica_groups.py
+    times the restart). Its quorums go to daemon threads instead, each result or error handed to the waiter."""
+    import inspect
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lightning_parallel.replica_groups import quorums_on_daemon_threads
+
+    torchft = pytest.importorskip("torchft")
+    assert "self._executor = ThreadPoolExecutor(" in inspect.getsource(torchft.Manager.__init__)  # where it looks
+    manager = SimpleNamespace(_executor=ThreadPoolExecutor(max_workers=1))
+    quorums_on_daemon_threads(manager)
+    release = threading.Event()
+    waiting = manager._executor.submit(lambda: release.wait(60) and threading.current_thread().daemon)
+    names = {thread.name: thread.daemon for thread in threading.enumerate()}
+    release.set()
+    assert names["async_quorum"] and waiting.result(10) is True
+    assert isinstance(manager._executor.submit(lambda: 1 / 0).exception(10), ZeroDivisionError)
+    manager._executor.shutdown(wait=True)  # as torchft's Manager.shutdown calls it

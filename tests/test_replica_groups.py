@@ -273,7 +273,8 @@ def test_two_groups_of_two_processes_survive_a_sigkill_under_torchrun(tmp_path: 
     """Each group is `torchrun --nproc-per-node=2 train.py strategy=ft_ddp ...` (tests/workers/elastic.py). Rank 1 of
     group 1 SIGKILLs itself in step 3; torchrun restarts both of group 1's ranks (the same command, the agent's store
     kept: the Manager's keys live in a store of each attempt's own), which rejoin group 0 mid-run with its weights.
-    Both groups end at max_steps, past their max_epochs, with the same weights on all four ranks."""
+    Both groups end at max_steps, past their max_epochs, with the same weights on all four ranks, and the survivor of
+    group 1 left at torchrun's SIGTERM."""
     from test_restarts import env  # the clean environment of a launch under torchrun
 
     elastic = WORKERS / "elastic.py"  # torchrun's launcher with forked workers, itself forked from the tests' server
@@ -310,3 +311,5 @@ def test_two_groups_of_two_processes_survive_a_sigkill_under_torchrun(tmp_path: 
     for result in results[1:]:
         torch.testing.assert_close(result["state"], results[0]["state"], rtol=0, atol=0)
     assert "max_epochs=2 lifted" in log
+    # group 1's rank 0, its peer dead, left at torchrun's SIGTERM: not held by its quorum's thread until SIGKILL 30 s on
+    assert "forcefully exiting" not in log, log[-4000:]

@@ -3,7 +3,8 @@
 pp 8 and dp2 x pp2 x tp4 (16 ranks) of the zoo GPT, set up by the strategies' own order on simulated ranks
 (`simulated_ranks`), against one process: losses and every rank's final weights within 1e-5 (AdamW, padded text). The
 simulation has no FSDP2 (replicas here are the all-reduced kind) and no pipeline transport: the pipeline's stages are
-chained in one process (`simulated_stages.py`).
+chained in one process (`simulated_stages.py`). Also: 'rowwise' outputs are torch's views (no copy per layer), except
+where the model adds to one in place (Falcon).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from simulated import (
     assert_like_one_process,
     batches,
     full_values,
+    lm_loss,
+    settings,
     train_one_process,
     train_simulated,
 )
@@ -27,6 +30,7 @@ from torch import nn
 from lightning_parallel.dims import ParallelDims
 from lightning_parallel.models.transformer import GPT
 from lightning_parallel.one_process_ranks import simulated_ranks
+from lightning_parallel.parallelize import parallelize_tensor
 from lightning_parallel.parallelize.replicas import spans
 
 pytest.importorskip("transformers")
@@ -167,3 +171,27 @@ def test_pipeline_degrees_train_like_one_process(layout: str) -> None:
         for name, param in held.items():
             for rank, value in full_values(param).items():
                 torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5, msg=f"{name} on rank {rank}")
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama", "falcon"])
+def test_row_parallel_outputs_are_copied_only_where_the_model_adds_to_them_in_place(model: str) -> None:
+    """'rowwise' hands model code torch's output, a view of the all-reduced tensor (no copy per layer); only a
+    projection whose output the model's code changes in place (Falcon's MLP, `mlp_output += attention_output`) is
+    'rowwise_own_output', whose output is a tensor of its own. One tp2 training step's forward on simulated ranks."""
+    dims = ParallelDims(dp=1, pp=1, tp=2)
+    ids, labels = batches()[0]
+    with simulated_ranks(dims.world_size):
+        torch.manual_seed(0)
+        network = MODELS[model]()
+        set_up = parallelize_tensor(network, network, settings(dims, dims.build_mesh("cpu")), configured=False)
+        rows = {name: style for name, style in set_up.plan[1].items() if style.startswith("rowwise")}
+        views: dict[str, bool] = {}
+        for name in rows:
+            network.get_submodule(name).register_forward_hook(
+                lambda module, args, out, name=name: views.__setitem__(name, out._base is not None)
+            )
+        lm_loss(network, ids, labels).backward()
+    own = {name for name, style in rows.items() if style == "rowwise_own_output"}
+    assert views.keys() == rows.keys() and rows, rows
+    assert own == ({name for name in rows if name.endswith("mlp.dense_4h_to_h")} if model == "falcon" else set())
+    assert {name for name, view in views.items() if not view} == own, views

@@ -120,7 +120,7 @@ def _colwise(sp: bool) -> ParallelStyle:
 class _RowwiseOwnOutput(RowwiseParallel):
     """torch's `RowwiseParallel`, its local output a tensor of its own rather than the view `to_local` returns: model
     code may add to it in place (Falcon's `mlp_output += attention_output`), which autograd refuses on that view. One
-    copy of the all-reduced output per layer."""
+    copy of the all-reduced output per layer, so only "rowwise_own_output" pays it (`in_place.py` says where)."""
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN205 - torch's signature
@@ -129,7 +129,12 @@ class _RowwiseOwnOutput(RowwiseParallel):
 
 
 def _rowwise(sp: bool) -> ParallelStyle:
-    return RowwiseParallel(output_layouts=_SEQ, use_local_output=False) if sp else _RowwiseOwnOutput()
+    return RowwiseParallel(output_layouts=_SEQ, use_local_output=False) if sp else RowwiseParallel()
+
+
+def _rowwise_own_output(sp: bool) -> ParallelStyle:
+    # sequence-parallel: the output leaves as a DTensor, which model code may change in place as it is
+    return _rowwise(sp) if sp else _RowwiseOwnOutput()
 
 
 def _rowwise_from_channels(sp: bool) -> ParallelStyle:
@@ -149,7 +154,7 @@ def _rowwise_split_input(sp: bool) -> ParallelStyle:
     # the input arrives whole (e.g. after a `chunk`): each rank takes its slice of the features locally
     if sp:
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=_SEQ, use_local_output=False)
-    return _RowwiseOwnOutput(input_layouts=Replicate(), output_layouts=Replicate())
+    return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
 
 
 def _packed(pieces: int) -> MakeStyle:
@@ -196,6 +201,11 @@ _TABLE = (
     StyleTraits(
         "rowwise", "Linear/Conv1D: shard input features; all-reduce the output", _rowwise,
         shardings=(_IN, _IN_T), sharded_input=True, collectives=_ALL_REDUCE_OUTPUT, transformers=("rowwise",),
+    ),
+    StyleTraits(
+        "rowwise_own_output", "Linear: 'rowwise', its output a tensor of its own (one copy per layer), for model code "
+        "that adds to it in place (Falcon's MLP), which autograd refuses on 'rowwise''s output", _rowwise_own_output,
+        shardings=(_IN,), sharded_input=True, collectives=_ALL_REDUCE_OUTPUT,
     ),
     StyleTraits(
         "rowwise_split_input", "Linear: shard input features of a whole input (each rank takes its slice); all-reduce "

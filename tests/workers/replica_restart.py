@@ -7,6 +7,7 @@ They change nothing in training; they only tell the test when the restart comes 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -46,14 +47,20 @@ class HoldAt(pl.Callback):
 
 
 class AnnounceAt(pl.Callback):
-    """In torchrun attempt `attempt`, write `file` when training starts (before the first quorum)."""
+    """In torchrun attempt `attempt`, write `file` `delay` seconds after its first step began, its first quorum asked
+    for by then. The lighthouse keeps that quorum waiting while the other group, healthy, holds (no split brain), and
+    the other group's next quorum, asked for once it sees the file, takes both; had it asked first, it would go on
+    alone (the lighthouse's fast quorum: every group of its last quorum is there) and the restart could miss it."""
 
-    def __init__(self, *, attempt: int, file: str) -> None:
-        self.attempt, self.file = attempt, Path(file)
+    def __init__(self, *, attempt: int, file: str, delay: float = 2.0) -> None:
+        self.attempt, self.file, self.delay = attempt, Path(file), delay
+        self.announced = False
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == self.attempt:
-            self.file.write_text("started")
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.announced or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != self.attempt:
+            return
+        self.announced = True
+        threading.Timer(self.delay, self.file.write_text, args=("started",)).start()
 
 
 class SaveWeights(pl.Callback):
