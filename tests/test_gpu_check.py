@@ -68,7 +68,7 @@ def test_every_strategy_on_one_device_and_the_report(tmp_path: Path) -> None:
     text = markdown(report)
     for name in ONE_DEVICE:
         assert f"| `{name}` | 1 | cpu | yes | ok |" in text
-    assert "| `pp2` | 2 | cpu x2 (gloo) | NO | failed: RuntimeError" in text and NCCL in text
+    assert "| `pp2` | 2 | cpu x2 (gloo_host) | NO | failed: RuntimeError" in text and NCCL in text
     assert report["planner"][0]["predicted_s"] > 0 and report["planner"][0]["measured_s"]["auto"] > 0
     assert "NCCL untested" in "\n".join(summary_lines(report))
 
