@@ -111,6 +111,8 @@ def test_in_place_collectives_and_gathers(groups: list[gloo_host.HostStagedGroup
         group = groups[rank]
         summed, sent = torch.full((2,), rank + 1.0), torch.full((2,), 7.0 * rank)
         group.allreduce([summed], dist.AllreduceOptions()).wait()
+        pair = [torch.tensor([1.0 + rank]), torch.tensor([2 * rank])]  # two dtypes: one all-reduce each
+        group.allreduce_coalesced(pair, dist.AllreduceCoalescedOptions()).wait()
         options = dist.BroadcastOptions()
         options.rootRank = 1
         group.broadcast([sent], options).wait()
@@ -119,10 +121,11 @@ def test_in_place_collectives_and_gathers(groups: list[gloo_host.HostStagedGroup
         swapped = torch.zeros(2)
         group.all_to_all_single(swapped, torch.tensor([rank * 2.0, rank * 2.0 + 1]), [1, 1], [1, 1]).wait()
         group.barrier().wait()
-        return [summed.tolist(), sent.tolist(), torch.cat(listed).tolist(), swapped.tolist()]
+        return [summed.tolist(), sent.tolist(), torch.cat(listed).tolist(), swapped.tolist(), [p.item() for p in pair]]
 
     rank0, rank1 = on_two_ranks(step)
     assert rank0[:3] == rank1[:3] == [[3.0, 3.0], [7.0, 7.0], [0.5, 1.5]]
+    assert rank0[4] == rank1[4] == [3.0, 2]
     assert (rank0[3], rank1[3]) == ([0.0, 2.0], [1.0, 3.0])
 
 
