@@ -24,6 +24,7 @@ _LAZY = {
     "FaultTolerantStrategy": "lightning_parallel.strategies.fault_tolerant",
     "ParallelDims": "lightning_parallel.dims",
     "dry_run": "lightning_parallel.dryrun",
+    "SharedCUDAAccelerator": "lightning_parallel.shared_cuda",
 }
 # registry name -> (class name, description)
 _REGISTERED = {

@@ -27,7 +27,9 @@ from gpu_check import (  # noqa: E402
 )
 from gpu_check_report import markdown, summary_lines  # noqa: E402
 from gpu_throughput import summarise  # noqa: E402
-from shared_device import SharedCUDAAccelerator, fit, read_rank  # noqa: E402
+from shared_device import fit, read_rank  # noqa: E402
+
+from lightning_parallel import SharedCUDAAccelerator  # noqa: E402
 
 STEPS = 3
 
