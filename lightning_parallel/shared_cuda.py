@@ -28,3 +28,8 @@ class SharedCUDAAccelerator(CUDAAccelerator):
     @staticmethod
     def auto_device_count() -> int:
         return 1
+
+    def setup_device(self, device: torch.device) -> None:
+        # CUDA initialised before the strategy's DeviceMesh, which otherwise sets the device from LOCAL_RANK (past 0)
+        torch.cuda.init()
+        super().setup_device(device)
