@@ -9,12 +9,14 @@ from typing import Any
 
 import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
+from typing_extensions import override
 
 
 class SharedCUDAAccelerator(CUDAAccelerator):
     """Lightning's CUDA accelerator whose `devices=N` means N ranks on cuda:0 (no id checks against the machine)."""
 
     @staticmethod
+    @override
     def parse_devices(devices: Any) -> int:  # type: ignore[override]
         count = len(devices) if isinstance(devices, (list, tuple)) else int(devices)
         if count < 1:
@@ -22,13 +24,16 @@ class SharedCUDAAccelerator(CUDAAccelerator):
         return count
 
     @staticmethod
+    @override
     def get_parallel_devices(devices: Any) -> list[torch.device]:  # type: ignore[override]
         return [torch.device("cuda", 0)] * int(devices)
 
     @staticmethod
+    @override
     def auto_device_count() -> int:
         return 1
 
+    @override
     def setup_device(self, device: torch.device) -> None:
         # CUDA initialised before the strategy's DeviceMesh, which otherwise sets the device from LOCAL_RANK (past 0)
         torch.cuda.init()
