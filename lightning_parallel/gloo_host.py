@@ -107,7 +107,8 @@ class HostStagedGroup(_PythonGroup):
         staging = _Staging()
         act = {"r": staging.give, "w": staging.take, "b": staging.both}
         staged = [_each(arg, act[role]) if role in act else arg for role, arg in zip(roles, args, strict=True)]
-        result = [arg for role, arg in zip(roles, args, strict=True) if role in "wb"]
+        written = [arg for role, arg in zip(roles, args, strict=True) if role in "wb"]
+        result = (written[0] if isinstance(written[0], list) else written) if written else []  # as gloo's futures
         return StagedWork([inner_method(self._inner, name)(*staged)], staging.copy_back, result)
 
     # In-place collectives (the tensors are read and written).

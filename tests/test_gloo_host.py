@@ -110,7 +110,8 @@ def test_in_place_collectives_and_gathers(groups: list[gloo_host.HostStagedGroup
     def step(rank: int) -> list[list[float]]:
         group = groups[rank]
         summed, sent = torch.full((2,), rank + 1.0), torch.full((2,), 7.0 * rank)
-        group.allreduce([summed], dist.AllreduceOptions()).wait()
+        future = group.allreduce([summed], dist.AllreduceOptions()).get_future()  # as DDP's communication hooks
+        assert future.wait()[0] is summed
         pair = [torch.tensor([1.0 + rank]), torch.tensor([2 * rank])]  # two dtypes: one all-reduce each
         group.allreduce_coalesced(pair, dist.AllreduceCoalescedOptions()).wait()
         options = dist.BroadcastOptions()
