@@ -1,7 +1,7 @@
 """`make gpu-check`: the GPU proof in one command. In order: `pytest -m gpu`; every strategy on one device with the CUDA
 defaults (bf16-mixed, torch's default AdamW) against Lightning's `strategy="auto"`; tensor tp2, pipeline pp2 and
-pp2 x tp2 as 2 or 4 ranks sharing the one device (gloo), each against one process; gpu_throughput.py's rows (eager and
-compiled, MFU, degree-1 ratios); the planner's preset against them. Writes results/gpu_check.{json,md}.
+pp2 x tp2 as 2 or 4 ranks sharing the one device (gloo_host), each against one process; gpu_throughput.py's rows
+(eager and compiled, MFU, degree-1 ratios); the planner's preset against them. Writes results/gpu_check.{json,md}.
 
 Without CUDA it rehearses the same sequence on CPU at toy sizes (`device: cpu`). Each run is its own process and a
 failed run is a row saying why, never the end of the check. Usage: python benchmarks/gpu_check.py [--parts ...]
@@ -40,7 +40,8 @@ ONE_DEVICE = ["auto", "ddp", "tensor", "pipeline", "three_d", "local_sgd", "dilo
 IMAGE_RUNS = ["raw", "raw_compiled", "auto", "tensor"]  # the ResNet's throughput rows (the GPT gets every row)
 NCCL = (
     "NCCL itself stays untested: one GPU is the most a machine here has and NCCL refuses two ranks on one device, "
-    "so the multi-rank rows share the device over gloo (the CUDA code of each path runs, NCCL's collectives do not)."
+    "so the multi-rank rows share the device over gloo_host (gloo, every tensor staged through host memory: the CUDA "
+    "code of each path runs, NCCL's collectives do not)."
 )
 
 
@@ -61,6 +62,14 @@ SIZES = {
     "cuda": Sizes("gpu", ("gpt2_small", "resnet50"), steps=20, warmup=5, parity_steps=8, preset="h100"),
     "cpu": Sizes("toy", ("gpt_toy", "resnet18_toy"), steps=3, warmup=1, parity_steps=4, preset="cpu"),
 }
+
+
+def nccl_version() -> str | None:
+    """The NCCL torch bundles ("2.29.7"; the issue asks for it: 2.30 lets ranks share a GPU), None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    found = torch.cuda.nccl.version()
+    return ".".join(map(str, found)) if isinstance(found, tuple) else str(found)
 
 
 def status(error: str | None) -> str:
@@ -171,7 +180,7 @@ def rank_row(
 ) -> dict[str, Any]:
     """A runs-table row of a layout (or of the one-process reference): status, rank 0's losses, the slowest rank's
     median step after the first, the largest peak memory, and the parity to the reference."""
-    shared = f"{'cuda:0' if device == 'cuda' else 'cpu'} x{processes}" + (" (gloo)" if processes > 1 else "")
+    shared = f"{'cuda:0' if device == 'cuda' else 'cpu'} x{processes}" + (" (gloo_host)" if processes > 1 else "")
     row: dict[str, Any] = {"part": "multi_rank", "strategy": layout, "devices": processes, "device": shared}
     error = ranks if isinstance(ranks, str) else next((r["error"] for r in ranks if "error" in r), None)
     row |= {"ok": error is None, "status": status(error)}
@@ -298,7 +307,7 @@ def main() -> None:
     report = earlier(args.results, device)
     report["config"] = {"device": device, "machine": machine(), "torch": torch.__version__, "cuda": torch.version.cuda,
                         "lightning": lightning.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
-                        "sizes": sizes.__dict__, "nccl": NCCL}  # fmt: skip
+                        "sizes": sizes.__dict__, "nccl": NCCL, "nccl_version": nccl_version()}  # fmt: skip
     report.setdefault("parts", {})
     for part in (p for p in PARTS if p in args.parts):
         began = time.perf_counter()

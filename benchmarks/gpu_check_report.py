@@ -72,9 +72,10 @@ def runs_lines(report: dict[str, Any]) -> list[str]:
         f"AdamW (foreach on CUDA tensors), each run its own process, {sizes['steps']} measured steps after "
         f"{sizes['warmup']}; **step**: median wall time per step, **vs auto**: over auto's; losses of every step.",
         f"- **multi-rank**: GPT {PARITY_GPT}, batch 8, fp32 (TF32 off), SGD lr 0.5 momentum 0.9 (torch's default "
-        f"kernel: foreach on CUDA), {sizes['parity_steps']} steps; 2 or 4 ranks on one device over gloo "
-        "(`benchmarks/shared_device.py`), against one process (Lightning's auto). **parity**: largest |loss "
-        "difference| over every step and rank / largest |parameter difference| over every parameter.",
+        f"kernel: foreach on CUDA), {sizes['parity_steps']} steps; 2 or 4 ranks on one device over gloo_host "
+        "(gloo, tensors staged through host memory; `benchmarks/shared_device.py`), against one process (Lightning's "
+        "auto). **parity**: largest |loss difference| over every step and rank / largest |parameter difference| over "
+        "every parameter.",
         "",
         "| strategy | devices | device | ok | status | losses: first .. last (steps) | step ms | vs auto | peak "
         "memory MiB | max loss gap vs auto | parity: loss / parameters |",
@@ -138,7 +139,18 @@ def markdown(report: dict[str, Any]) -> str:
             "**A rehearsal on CPU at toy sizes, not a GPU measurement**: there was no CUDA device. It shows "
             "that every step of the check runs; its timings are a shared CPU's.",
         ]
-    lines += ["", config["nccl"], "", "## pytest -m gpu", "", *pytest_lines(report.get("pytest")), "", "## Runs", ""]
+    nccl = f" torch bundles NCCL {config['nccl_version']}." if config.get("nccl_version") else ""
+    lines += [
+        "",
+        config["nccl"] + nccl,
+        "",
+        "## pytest -m gpu",
+        "",
+        *pytest_lines(report.get("pytest")),
+        "",
+        "## Runs",
+        "",
+    ]
     lines += [*runs_lines(report), "", "## Throughput (gpu_throughput.py's rows)", "", *throughput_lines(report)]
     lines += ["", "## Planner against the measured steps", "", *planner_lines(report.get("planner"))]
     return "\n".join(lines) + "\n"
@@ -159,7 +171,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"{result['skipped']} skipped (exit {result['exit_code']})"
         )
         lines += [f"  FAILED {f['test']}: {f['line'][:150]}" for f in result["failures"]]
-    for part, title in (("one_device", "one device, vs auto"), ("multi_rank", "ranks sharing one device, gloo")):
+    for part, title in (("one_device", "one device, vs auto"), ("multi_rank", "ranks sharing one device, gloo_host")):
         rows = [r for r in report.get("runs", []) if r["part"] == part]
         if not rows:
             continue

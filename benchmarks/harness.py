@@ -253,15 +253,15 @@ def launch(script: str | Path, nprocs: int, arguments: list[str], *, timeout: fl
         return [read(Path(tmp) / f"rank{rank}.json") for rank in range(nprocs)]
 
 
-def worker_setup(timeout: timedelta = timedelta(minutes=5)) -> int:
-    """In a launched rank: one torch thread, Lightning's and torch's chatter off, the gloo process group from
-    torchrun's environment (the strategies reuse it). Returns the rank."""
+def worker_setup(timeout: timedelta = timedelta(minutes=5), backend: str = "gloo") -> int:
+    """In a launched rank: one torch thread, Lightning's and torch's chatter off, the process group (gloo unless
+    `backend` says otherwise) from torchrun's environment (the strategies reuse it). Returns the rank."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     quiet()
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout)
     return dist.get_rank()
 
 

@@ -1,9 +1,11 @@
 """Several ranks on one device, so a one-GPU machine runs the CUDA code of every multi-rank path: tensor tp2,
 pipeline pp2 and pp2 x tp2, each against one process (same seed, weights, batches; fp32, SGD with torch's default
 kernels). Lightning refuses devices=2 on a one-GPU machine and duplicate device ids, and NCCL refuses two ranks on
-one device, so the ranks share cuda:0 through `SharedCUDAAccelerator` over gloo. NCCL itself stays untested.
+one device, so the ranks share cuda:0 through the package's `SharedCUDAAccelerator` and "gloo_host" backend (gloo,
+every CUDA tensor staged through host memory: gloo alone cannot send CUDA tensors). NCCL itself stays untested.
 
-For the GPU check only (`gpu_check.py`), not the library. On CPU the same layouts run on CPU processes (gloo).
+For the GPU check only (`gpu_check.py`), not the library. On CPU the same layouts run on CPU processes, gloo_host
+staging CPU tensors too, so the rehearsal runs the copies the GPU check runs.
 Worker mode: `python benchmarks/shared_device.py --worker DIR --layout tp2 --device cuda --steps 8` under torchrun.
 """
 
@@ -21,11 +23,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from harness import RanksFailed, error_line, launch, worker_setup
-from lightning.pytorch.accelerators import CUDAAccelerator
 from ranks import bare_trainer, batch_loader
 from throughput_runs import MinimalTask, peak_memory_mib
 
-from lightning_parallel import PipelineParallelStrategy, TensorParallelStrategy
+from lightning_parallel import PipelineParallelStrategy, SharedCUDAAccelerator, TensorParallelStrategy, gloo_host
 from lightning_parallel.models import GPT
 
 # Four blocks and four heads: two pipeline stages of three children each, two heads per tensor-parallel rank.
@@ -47,25 +48,6 @@ LAYOUTS: dict[str, tuple[int, Callable[..., pl.strategies.Strategy]]] = {
         ),
     ),
 }
-
-
-class SharedCUDAAccelerator(CUDAAccelerator):
-    """Lightning's CUDA accelerator whose `devices=N` means N ranks on cuda:0 (no id checks against the machine)."""
-
-    @staticmethod
-    def parse_devices(devices: Any) -> int:  # type: ignore[override]
-        count = len(devices) if isinstance(devices, (list, tuple)) else int(devices)
-        if count < 1:
-            raise ValueError(f"SharedCUDAAccelerator needs devices >= 1, got {devices}. HINT: devices=2")
-        return count
-
-    @staticmethod
-    def get_parallel_devices(devices: Any) -> list[torch.device]:  # type: ignore[override]
-        return [torch.device("cuda", 0)] * int(devices)
-
-    @staticmethod
-    def auto_device_count() -> int:
-        return 1
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -122,7 +104,7 @@ def fit(layout: str, device: str, steps: int) -> dict[str, Any]:
         devices, accelerator = 1, device
     else:
         processes, build = LAYOUTS[layout]
-        strategy = build(process_group_backend="gloo", timeout=TIMEOUT)
+        strategy = build(process_group_backend=gloo_host.BACKEND, timeout=TIMEOUT)
         devices = processes
         accelerator = SharedCUDAAccelerator() if device == "cuda" else "cpu"
     torch.manual_seed(0)
@@ -140,7 +122,8 @@ def fit(layout: str, device: str, steps: int) -> dict[str, Any]:
 
 def worker(out: Path, layout: str, device: str, steps: int) -> None:
     """A launched rank: fit, then write rank<r>.json (losses, or the one line it stopped with) and rank<r>.pt."""
-    rank = worker_setup(TIMEOUT)
+    gloo_host.STAGE_CPU_TENSORS = device == "cpu"  # a CPU rehearsal stages as CUDA does
+    rank = worker_setup(TIMEOUT, backend=gloo_host.BACKEND)
     try:
         result = fit(layout, device, steps)
     except Exception as error:  # the row says why: gloo may refuse a collective on CUDA tensors

@@ -1,7 +1,7 @@
 """lightning_parallel: pipeline and tensor parallelism as drop-in Lightning strategies.
 
 Importing the package registers the strategies in Lightning's StrategyRegistry under their names
-(`Trainer(strategy="pipeline")`); the strategy code itself loads on first use.
+(`Trainer(strategy="pipeline")`) and the "gloo_host" process-group backend; the strategy code loads on first use.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import importlib
 from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_parallel import gloo_host
 
 # public name -> module that defines it
 _LAZY = {
@@ -22,6 +24,7 @@ _LAZY = {
     "FaultTolerantStrategy": "lightning_parallel.strategies.fault_tolerant",
     "ParallelDims": "lightning_parallel.dims",
     "dry_run": "lightning_parallel.dryrun",
+    "SharedCUDAAccelerator": "lightning_parallel.shared_cuda",
 }
 # registry name -> (class name, description)
 _REGISTERED = {
@@ -51,5 +54,7 @@ def _factory(class_name: str) -> Any:
 for _name, (_class_name, _description) in _REGISTERED.items():
     if _name not in StrategyRegistry:
         StrategyRegistry.register(_name, _factory(_class_name), description=_description)
+
+gloo_host.register()
 
 __all__ = list(_LAZY)

@@ -1,6 +1,7 @@
 """`make gpu-check` (benchmarks/gpu_check.py) in its smallest parts, so the GPU proof cannot rot where no GPU is: ranks
-sharing one device match one process (the worker the check launches under torchrun, tp2 and pp2), every strategy's
-one-device run and the report's rows, and the device list of the accelerator that puts several ranks on one GPU."""
+sharing one device match one process (the worker the check launches under torchrun: tp2, pp2, pp2 x tp2), every
+strategy's one-device run and the report's rows, and the device list of the accelerator that puts several ranks on
+one GPU."""
 
 from __future__ import annotations
 
@@ -26,20 +27,25 @@ from gpu_check import (  # noqa: E402
 )
 from gpu_check_report import markdown, summary_lines  # noqa: E402
 from gpu_throughput import summarise  # noqa: E402
-from shared_device import SharedCUDAAccelerator, fit, read_rank  # noqa: E402
+from shared_device import fit, read_rank  # noqa: E402
+
+from lightning_parallel import SharedCUDAAccelerator  # noqa: E402
 
 STEPS = 3
 
 
 def test_ranks_sharing_a_device_match_one_process(tmp_path: Path) -> None:
+    """tp2 and pp2 in one launch of 2 ranks, pp2 x tp2 on 4, over gloo_host staging every tensor as on CUDA (and with
+    no gloo past the staging: an op torch sent past it would fail here too)."""
     reference = fit("one", "cpu", STEPS)
-    for layout in ("tp2", "pp2"):
-        run_workers("gpu_check_parts", 2, {"layout": layout, "steps": STEPS}, tmp_path / layout, timeout=120)
-        ranks = [read_rank(tmp_path / layout / f"rank{r}.json") for r in range(2)]
-        row = rank_row(layout, 2, "cpu", ranks, reference)
-        assert row["ok"], row["status"]
-        assert row["parity"]["within"], (layout, row["parity"])  # 1e-5 on CPU
-        assert row["losses"] == ranks[1]["losses"] and len(row["losses"]) == STEPS
+    for processes, layouts in ((2, ["tp2", "pp2"]), (4, ["pp2 x tp2"])):
+        run_workers("gpu_check_parts", processes, {"layouts": layouts, "steps": STEPS}, tmp_path, timeout=180)
+        for layout in layouts:
+            ranks = [read_rank(tmp_path / layout / f"rank{r}.json") for r in range(processes)]
+            row = rank_row(layout, processes, "cpu", ranks, reference)
+            assert row["ok"], row["status"]
+            assert row["parity"]["within"], (layout, row["parity"])  # 1e-5 on CPU
+            assert row["losses"] == ranks[-1]["losses"] and len(row["losses"]) == STEPS
 
 
 def test_every_strategy_on_one_device_and_the_report(tmp_path: Path) -> None:
@@ -64,7 +70,7 @@ def test_every_strategy_on_one_device_and_the_report(tmp_path: Path) -> None:
     text = markdown(report)
     for name in ONE_DEVICE:
         assert f"| `{name}` | 1 | cpu | yes | ok |" in text
-    assert "| `pp2` | 2 | cpu x2 (gloo) | NO | failed: RuntimeError" in text and NCCL in text
+    assert "| `pp2` | 2 | cpu x2 (gloo_host) | NO | failed: RuntimeError" in text and NCCL in text
     assert report["planner"][0]["predicted_s"] > 0 and report["planner"][0]["measured_s"]["auto"] > 0
     assert "NCCL untested" in "\n".join(summary_lines(report))
 
