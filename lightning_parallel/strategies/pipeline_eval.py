@@ -15,12 +15,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_parallel.pipeline.token_shares import unweighted_eval_loss, whole_batch_model_loss
+from lightning_parallel.strategies.evaluation_steps import EvaluationThrough
 from lightning_parallel.strategies.pipeline_step import PipelinedStep
 from lightning_parallel.strategies.user_step import swap_attribute
 from lightning_parallel.tensor.sharded_logits import gather_logits, sharded_again
 
 
-class PipelinedEvaluation(PipelinedStep):
+class PipelinedEvaluation(EvaluationThrough, PipelinedStep):
     """The evaluation half of `PipelineParallelStrategy`: every evaluation step through a forward-only schedule."""
 
     def _pipelined_forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -65,6 +66,7 @@ class PipelinedEvaluation(PipelinedStep):
         return buffer
 
     # ---- evaluation ----------------------------------------------------------------------------
+    @override
     def _evaluating(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """In the logits session, as a training step: what the step returns (predictions) leaves with them gathered."""
         with self._sharded_logits():
@@ -72,15 +74,3 @@ class PipelinedEvaluation(PipelinedStep):
                 return gather_logits(step(*args, **kwargs))
             with swap_attribute(self.network_of(self.module), "forward", self._pipelined_forward):
                 return gather_logits(step(*args, **kwargs))
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluating(super().validation_step, *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluating(super().test_step, *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluating(super().predict_step, *args, **kwargs)
