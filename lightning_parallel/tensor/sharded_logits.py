@@ -241,6 +241,7 @@ class StageLogits:
     def __init__(self) -> None:
         self._specs: dict[int, tuple[Any, ...]] = {}  # position among the output's leaves -> how to rebuild it
         self._hooked: set[int] = set()
+        self._handed: dict[int, tuple[Any, ...]] = {}  # the last specs that named a shard (another stage may follow)
 
     def watch(
         self, modules: dict[int, nn.Module], factory: Callable[[Any], dict[int, nn.Module]] | None = None
@@ -261,14 +262,15 @@ class StageLogits:
         }
         if not self._specs:
             return None
+        self._handed = self._specs
         return pytree.tree_unflatten([leaf.to_local() if is_sharded_logits(leaf) else leaf for leaf in leaves], spec)
 
     def layout(self) -> dict[int, tuple[Any, int]]:
-        """What the last forward handed on as shards, {leaf index: (placements, vocabulary size)}: all another
+        """What the last stage handed on as shards, {leaf index: (placements, vocabulary size)}: all another
         pipeline rank needs to rebuild them from its tensor rank's shard (`sharded_again`)."""
         return {
             index: (placements, shape[placements[0].dim % len(shape)])
-            for index, (_, placements, shape, _) in self._specs.items()
+            for index, (_, placements, shape, _) in self._handed.items()
         }
 
     def restore(self, value: Any) -> Any:
