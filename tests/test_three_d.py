@@ -1,7 +1,8 @@
 """Parity of pipeline x tensor (x data) parallelism, "3D": PipelineParallelStrategy with tensor_parallel_size > 1
 shards each stage's layers with the model's plan; losses and final parameters match one process with the same
 seed and global batch within 1e-5 (fp32), with clipping by one global norm and accumulation, also resumed from a
-mid-epoch checkpoint; bf16-mixed tracks one process's bf16 run."""
+mid-epoch checkpoint; bf16-mixed tracks one process's bf16 run; validation and prediction (the logits crossing the
+pipeline split by vocabulary) are one device's too."""
 
 from __future__ import annotations
 
