@@ -3,7 +3,7 @@ process: every transformers style name runs as one of our rows or is refused in 
 own plan is composed as transformers composes it; the structural planner's choices on GPT-2, BERT, ViT and our GPT.
 On 2, 4 and 8 processes: Llama (its own plan, AdamW, a cosine schedule per batch, clipping), GPT-2, BERT and ViT
 (structural plans, AdamW with foreach=True) match one device within 1e-5 at tp2 and pp2 x tp2, GPT-2 also at
-dp2 x pp2 x tp2 and resumed from a tensor-parallel checkpoint.
+dp2 x pp2 x tp2 and resumed from a tensor-parallel checkpoint; Llama's validation too, its logits split by vocabulary.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from lightning_parallel.tensor.styles import STYLE_TRAITS, TRANSFORMERS_REFUSED 
 
 TOL = 1e-5
 STEPS = 4
+VAL_STEPS = 6  # Llama's validation batches in a fit: the sanity check's 2, then 2 after steps 2 and 4
 CLIP = 0.3  # below Llama's gradient norm (~0.8 at the start): clipping acts on every step
 
 
@@ -234,7 +235,9 @@ def config(name: str, devices: int, **extra: Any) -> dict[str, Any]:
     strategy: dict[str, Any] = {"tensor_parallel_size": 2}
     if devices > 2:  # the pipeline strategy: pp2 (x dp)
         strategy.update(schedule="1f1b", data_parallel_size=devices // 4)
-    run = {"name": name, "devices": devices, "steps": STEPS, "validate": False, "strategy": strategy}
+    # Llama validates at tp2 and pp2 x tp2 (its logits crossing the pipeline split by vocabulary, as in training)
+    validate = name == "llama" and devices in (2, 4)
+    run = {"name": name, "devices": devices, "steps": STEPS, "validate": validate, "strategy": strategy}
     run.update(extra)
     if devices == 2:
         run["kind"] = "tensor"
@@ -246,7 +249,8 @@ def config(name: str, devices: int, **extra: Any) -> dict[str, Any]:
 @functools.cache  # one device's run, shared by the layouts compared with it (never modified)
 def reference(name: str, batch_size: int = 8) -> dict[str, Any]:
     clip = {"gradient_clip_val": CLIP} if name == "llama" else {}
-    return fit(name, strategy="auto", devices=1, steps=STEPS, validate=False, batch_size=batch_size, **clip)
+    validate = name == "llama"  # (compared at tp2 and pp2 x tp2)
+    return fit(name, strategy="auto", devices=1, steps=STEPS, validate=validate, batch_size=batch_size, **clip)
 
 
 def gaps(
@@ -271,6 +275,14 @@ def check(name: str, results: list[dict[str, Any]], ref: dict[str, Any], layout:
     assert results[0]["parallel"]["plan_source"] == ("model" if name == "llama" else "structure")
     if name == "llama":  # its own plan's lm_head: the loss from padded labels on the logits' shards (traced under pp)
         assert all(r["parallel"]["vocab_parallel_loss"] for r in results), results[0]["parallel"]
+    if layout in ("tp2", "pp2 x tp2") and name == "llama":  # validated: out.loss from labels, out.logits.mean()
+        for key in ("val_loss", "val_logit_mean"):
+            gap = max(abs(r["metrics"][key] - ref["metrics"][key]) for r in results)
+            print(f"{name} {layout} {key}: gap {gap:.1e}")
+            assert gap < TOL, (key, [r["metrics"][key] for r in results], ref["metrics"][key])
+        # each validation batch's logits reached every rank split by vocabulary: the mean gathered them, counted
+        gathered = [r["parallel"]["logits_gathered"] for r in results]
+        assert all(count == VAL_STEPS for count in gathered), gathered
 
 
 @pytest.mark.slow

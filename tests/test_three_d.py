@@ -1,7 +1,8 @@
 """Parity of pipeline x tensor (x data) parallelism, "3D": PipelineParallelStrategy with tensor_parallel_size > 1
 shards each stage's layers with the model's plan; losses and final parameters match one process with the same
 seed and global batch within 1e-5 (fp32), with clipping by one global norm and accumulation, also resumed from a
-mid-epoch checkpoint; bf16-mixed tracks one process's bf16 run."""
+mid-epoch checkpoint; bf16-mixed tracks one process's bf16 run; validation and prediction (the logits crossing the
+pipeline split by vocabulary) are one device's too."""
 
 from __future__ import annotations
 
@@ -65,18 +66,27 @@ def test_pipeline_by_tensor_with_clipping_accumulation_bf16_and_fsdp_replicas(tm
     }
     saved = {**config("gpt", "1f1b", 1, CLIP), "save": [str(tmp_path / "saved"), 14]}  # 28 of 40 accumulated batches
     resumed = {**config("gpt", "1f1b", 1, CLIP), "ckpt_path": str(tmp_path / "saved" / "step=14.ckpt")}
-    adamw = {**config("gpt", "1f1b", 1), "steps": 6, "optimizer": ("AdamW", {"lr": 1e-3})}
+    adamw = {**config("gpt", "1f1b", 1, {"limit_predict_batches": 2}), "steps": 6, "optimizer": ("AdamW", {"lr": 1e-3})}
+    adamw.update(val_batches=2, predict=True)
     configs = [saved, config("gpt", "1f1b", 1, BF16), fsdp, resumed, adamw]  # SimpleCNN: the 8-process test
     per_rank = run_workers("three_d", 4, configs, tmp_path)
-    # AdamW, the loss on the logits' vocabulary shards (GPT's head is "vocab_head"): every rank's summary says so
-    task, losses, _ = fit_model("auto", model="gpt", devices=1, global_batch=16, replicas=1, steps=6,
-                                optimizer=adamw["optimizer"])  # fmt: skip
+    # AdamW, the loss on the logits' vocabulary shards (GPT's head is "vocab_head"): every rank's summary says so;
+    # then validated: each batch's logits reach every rank split by vocabulary, the loss runs on the shards and the
+    # perplexity metric gathers them (counted), both one device's; predicted logits leave whole
+    task, losses, trainer = fit_model("auto", model="gpt", devices=1, global_batch=16, replicas=1, steps=6,
+                                      optimizer=adamw["optimizer"], val_batches=2, **adamw["trainer"])  # fmt: skip
     assert_matches(per_rank, 4, (losses, local_state(task)), dp=1)
+    val = {key: float(value) for key, value in trainer.validate(task, trainer.datamodule, verbose=False)[0].items()}
+    predictions = torch.cat(trainer.predict(task, trainer.datamodule))  # (rows, T, V): predict_step returns logits
     for rank in per_rank:
+        assert rank[4]["val"].keys() == val.keys() == {"val/loss", "val/ppl"}, rank[4]["val"]
+        assert all(abs(rank[4]["val"][key] - value) < 1e-5 * max(1.0, value) for key, value in val.items()), val
+        torch.testing.assert_close(rank[4]["predictions"], predictions, rtol=0, atol=1e-5)  # whole, gathered
         loss = {
             key: rank[4]["parallel"][key] for key in ("vocab_parallel_loss", "vocab_parallel_losses", "logits_gathered")
         }
-        assert loss == {"vocab_parallel_loss": True, "vocab_parallel_losses": 6 * 4, "logits_gathered": 0}, loss
+        assert loss["vocab_parallel_loss"] and loss["vocab_parallel_losses"] == 6 * 4 + 2, loss
+        assert loss["logits_gathered"] == 2, loss  # the metric, once a batch
     clipped = reference("gpt", 16, **CLIP)
     assert_matches(per_rank, 0, clipped, dp=1)
     # resumed from the step-14 checkpoint (mid-epoch): the rest of the uninterrupted run

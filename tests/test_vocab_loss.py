@@ -214,7 +214,8 @@ def test_a_traced_last_stage_hands_its_logits_on_split_by_vocabulary() -> None:
     """A traced Llama at pp2 x tp2 (its own plan, labels padded with -100, the loss from them inside the last stage):
     in a session the last stage returns its logits split by vocabulary, never gathered (each rank V / 2 columns), and
     `StageLogits` passes their local shard through `PipelineStage` and back; the loss, the logits and the head's and
-    the embedding's gradients (its own rows only) are one device's. Outside a session (evaluation) they leave whole."""
+    the embedding's gradients (its own rows only) are one device's; another pipeline rank rebuilds the whole batch's
+    shard (evaluation) with its rows. Outside a session they leave whole."""
     pytest.importorskip("transformers")
     from hf_modules import VOCAB, padded
     from torch.distributed.tensor import DTensor, Shard
@@ -224,7 +225,14 @@ def test_a_traced_last_stage_hands_its_logits_on_split_by_vocabulary() -> None:
     from lightning_parallel.pipeline.traced import TracedNetwork
     from lightning_parallel.tensor.hf_plans import transformers_plan
     from lightning_parallel.tensor.plans import matches
-    from lightning_parallel.tensor.sharded_logits import Counts, ShardedLogits, StageLogits, is_sharded_logits
+    from lightning_parallel.tensor.sharded_logits import (
+        Counts,
+        ShardedLogits,
+        StageLogits,
+        gather_logits,
+        is_sharded_logits,
+        sharded_again,
+    )
     from lightning_parallel.tensor.traced_stages import distribute_planned, stages_on_mesh
 
     def llama() -> nn.Module:  # one layer of grouped-query attention: the cheapest trace that has every part
@@ -257,6 +265,15 @@ def test_a_traced_last_stage_hands_its_logits_on_split_by_vocabulary() -> None:
             assert not isinstance(sent[1], DTensor) and sent[1].shape == (2, 8, VOCAB // 2), sent[1].shape
             loss, handed = logits.restore(sent)
             assert is_sharded_logits(handed) and handed.placements == (Shard(2),), handed
+            # evaluation: the whole batch's shard (two micro-batches' rows) rebuilt as another pipeline rank does
+            layout = logits.layout()
+            assert layout == {1: ((Shard(2),), VOCAB)}, layout
+            again = sharded_again([sent[0], torch.cat([sent[1], sent[1]])], layout, mesh)
+            assert again[0] is sent[0] and is_sharded_logits(again[1]) and again[1].shape == (4, 8, VOCAB)
+            whole = gather_logits({"logits": again[1]})["logits"]  # as a predict_step returns them
+            assert not isinstance(whole, DTensor) and whole.shape == (4, 8, VOCAB), whole.shape
+            twice = torch.cat([expected.logits, expected.logits]).detach()
+            assert all(float((value - twice).abs().max()) < 1e-5 for value in per_rank(whole.detach()))
             loss.sum().backward()
         assert session.counts == Counts(parallel=1, gathered=0), session.counts
         gathered = handed.full_tensor().detach()  # only here, to compare

@@ -50,6 +50,7 @@ class PipelinedStep(PipelineSplit):
     _fresh_grads: list[torch.Tensor | None] | None
     _local_params: list[nn.Parameter] | None
     _logit_counts: Counts
+    _stage_logits: StageLogits | None = None  # how the last stage hands its logits on (evaluation rebuilds them)
     _warned_eval_loss = False
     _warned_logs = False
 
@@ -70,6 +71,7 @@ class PipelinedStep(PipelineSplit):
         shares = TokenShares(replicas=self.dims.dp, group=self.group("dp"))
         # the last stage hands the loss its logits' local shard (traced stages too: `sharded_logits.handed_on`)
         split, logits = self._split, StageLogits() if self.vocab_heads else None
+        self._stage_logits = logits
         rebuild = (lambda value: split.output(logits.restore(value))) if logits is not None else split.output
         self._micro_steps = MicroSteps(module, network, self._user_step, rebuild, shares)
         self._runtime = self._build_runtime(self.pp_rank, logits)
@@ -164,7 +166,7 @@ class PipelinedStep(PipelineSplit):
         return vocab_heads(self._tensor_plan[1] if self._tensor_plan is not None else None)
 
     def _sharded_logits(self) -> AbstractContextManager[Any]:
-        """Around a training step (the schedule and the user's step as its loss): `tensor/sharded_logits.py`."""
+        """Around a step (the schedule and the user's step, in training as its loss): `tensor/sharded_logits.py`."""
         return logits_session(self.vocab_heads, self._logit_counts)
 
     def _network_inputs(self, network: nn.Module, called: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[Any, ...]:

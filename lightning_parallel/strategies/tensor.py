@@ -30,13 +30,14 @@ from lightning_parallel.parallelize.plan import resolve_plan
 from lightning_parallel.parallelize.replicas import modules_split_over
 from lightning_parallel.replicas import average_
 from lightning_parallel.strategies.arguments import check_bool, check_choice, check_int, check_name, reject
-from lightning_parallel.strategies.base import DEFAULT_TIMEOUT, MeshStrategy
+from lightning_parallel.strategies.base import DEFAULT_TIMEOUT
+from lightning_parallel.strategies.evaluation_steps import EvaluationThrough
 from lightning_parallel.tensor.plans import STYLES, keep_gradients_sharded
 from lightning_parallel.tensor.sharded_logits import Counts, describe_loss, gather_logits, logits_session, vocab_heads
 from lightning_parallel.weights import materialize
 
 
-class TensorParallelStrategy(MeshStrategy):
+class TensorParallelStrategy(EvaluationThrough):
     """Tensor parallelism (optionally x data parallelism) as a Lightning strategy; devices = dp x tp.
 
     Contract with the LightningModule: the network is one `nn.Module` attribute (`network_attr`). Its plan is a dict of
@@ -213,16 +214,8 @@ class TensorParallelStrategy(MeshStrategy):
         return self._in_session(super().training_step, *args, **kwargs)
 
     @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._in_session(super().validation_step, *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._in_session(super().test_step, *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._in_session(super().predict_step, *args, **kwargs)
+    def _evaluating(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self._in_session(step, *args, **kwargs)  # validation, test and predict steps
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

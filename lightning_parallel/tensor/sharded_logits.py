@@ -23,7 +23,7 @@ from lightning_parallel.tensor.vocab_loss import cross_entropy_on_shards, sharde
 
 __all__ = [
     "Counts", "ShardedLogits", "StageLogits", "VocabHead", "current_session", "describe_loss", "gather_logits",
-    "handed_on", "is_sharded_logits", "logits_session", "vocab_heads",
+    "handed_on", "is_sharded_logits", "logits_session", "sharded_again", "vocab_heads",
 ]  # fmt: skip
 
 _MARK = "_lp_vocab_sharded"  # set on the DTensors a session hands out: the head's output and its views
@@ -59,6 +59,22 @@ def is_sharded_logits(value: object) -> bool:
 def gather_logits(value: Any) -> Any:
     """`value` with every sharded logits tensor in it (nested in tuples, lists, dicts) gathered whole, plain."""
     return pytree.tree_map(lambda t: t.full_tensor() if is_sharded_logits(t) else t, value)
+
+
+def sharded_again(leaves: list[torch.Tensor], layout: dict[int, tuple[Any, int]], mesh: DeviceMesh) -> list[Any]:
+    """Evaluation: `leaves` (a last stage's output, the whole batch's rows) with each one `layout` names, a local
+    shard of logits as `StageLogits.layout` describes it, sharded logits again on this rank's own tensor mesh."""
+
+    def rebuilt(index: int, leaf: torch.Tensor) -> Any:
+        if index not in layout:
+            return leaf
+        placements, size = layout[index]
+        dim = placements[0].dim % leaf.dim()
+        shape = torch.Size((*leaf.shape[:dim], size, *leaf.shape[dim + 1 :]))
+        stride = torch.empty(shape, device="meta").stride()
+        return _mark(DTensor.from_local(leaf, mesh, placements, run_check=False, shape=shape, stride=stride))
+
+    return [rebuilt(index, leaf) for index, leaf in enumerate(leaves)]
 
 
 def handed_on(value: Any) -> Any:
@@ -225,6 +241,7 @@ class StageLogits:
     def __init__(self) -> None:
         self._specs: dict[int, tuple[Any, ...]] = {}  # position among the output's leaves -> how to rebuild it
         self._hooked: set[int] = set()
+        self._handed: dict[int, tuple[Any, ...]] = {}  # the last specs that named a shard (another stage may follow)
 
     def watch(
         self, modules: dict[int, nn.Module], factory: Callable[[Any], dict[int, nn.Module]] | None = None
@@ -245,7 +262,16 @@ class StageLogits:
         }
         if not self._specs:
             return None
+        self._handed = self._specs
         return pytree.tree_unflatten([leaf.to_local() if is_sharded_logits(leaf) else leaf for leaf in leaves], spec)
+
+    def layout(self) -> dict[int, tuple[Any, int]]:
+        """What the last stage handed on as shards, {leaf index: (placements, vocabulary size)}: all another
+        pipeline rank needs to rebuild them from its tensor rank's shard (`sharded_again`)."""
+        return {
+            index: (placements, shape[placements[0].dim % len(shape)])
+            for index, (_, placements, shape, _) in self._handed.items()
+        }
 
     def restore(self, value: Any) -> Any:
         """The last stage's output, sharded logits again where the stage handed out their local shard."""
