@@ -50,6 +50,8 @@ class CostModel:
         optimizer_states: Optimizer state elements per parameter (Adam: 2, SGD with momentum: 1).
         activation_checkpointing: "none", "full" or "selective", per block as the strategies apply it
             (``planner/checkpointing.py``).
+        stages: Block indices per stage as the pipeline cuts the network (a traced network's cut, balanced by
+            FLOPs), for layouts with that many stages; others are balanced by parameters as ``make_partition``.
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class CostModel:
         precision: str = "32-true",
         optimizer_states: int = 2,
         activation_checkpointing: str = "none",
+        stages: Sequence[Sequence[int]] | None = None,
     ):
         if optimizer_states < 0:
             raise ValueError(f"optimizer_states={optimizer_states} must be >= 0. HINT: Adam keeps 2, SGD 0 or 1")
@@ -71,6 +74,7 @@ class CostModel:
         self.activation_checkpointing = activation_checkpointing
         self.workload, self.hardware, self.precision = workload, hardware, precision
         self.optimizer_states = optimizer_states
+        self.stages = tuple(tuple(stage) for stage in stages) if stages is not None else None
         self.param_bytes, self.grad_bytes, self.state_bytes, self.act_bytes = precision_bytes(precision)
         self.rate = hardware.flops_for(precision) * hardware.efficiency
         self._split = functools.lru_cache(maxsize=None)(self._split_uncached)
@@ -78,7 +82,9 @@ class CostModel:
 
     # ---- what layouts share ----------------------------------------------------------------------
     def _split_uncached(self, num_stages: int) -> tuple[tuple[int, ...], ...]:
-        """Block indices per stage, balanced by parameters exactly as the pipeline strategy's ``make_partition``."""
+        """Block indices per stage: the given cut, or balanced by parameters exactly as ``make_partition``."""
+        if self.stages is not None and len(self.stages) == num_stages:
+            return self.stages
         blocks = self.workload.blocks
         names = [str(i) for i in range(len(blocks))]
         costs = [float(max(b.params, 1)) for b in blocks]
