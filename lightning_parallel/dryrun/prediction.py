@@ -82,6 +82,14 @@ def stage_cut(workload: Workload, partition: Partition) -> tuple[tuple[int, ...]
     return tuple(tuple(stage) for stage in cut)
 
 
+def update_of(optimizer: torch.optim.Optimizer) -> str:
+    """How the optimizer's step makes temporaries on the dry run's CPU tensors (`planner.memory.UPDATES`): torch's
+    Adam and AdamW fused, foreach, or one parameter at a time (their CPU default); others' are not modelled."""
+    if not isinstance(optimizer, torch.optim.Adam) or optimizer.defaults.get("fused"):
+        return "fused"
+    return "foreach" if optimizer.defaults.get("foreach") else "for-loop"
+
+
 def predict(
     workload: Workload,
     strategy: MeshStrategy,
@@ -90,9 +98,10 @@ def predict(
     precision: str,
     hardware: str = "cpu",
     stages: tuple[tuple[int, ...], ...] | None = None,
+    update: str = "fused",
 ) -> list[dict[str, float]]:
     """Bytes of parameters, gradients, optimizer state (AdamW) and activations per pipeline rank, and their total
-    (`stages`: the pipeline's cut, as `stage_cut` gives it)."""
+    (`stages`: the pipeline's cut, as `stage_cut` gives it; `update`: as `update_of` gives it)."""
     model = CostModel(
         workload,
         hardware_preset(hardware),
@@ -100,6 +109,7 @@ def predict(
         optimizer_states=2,
         activation_checkpointing=strategy.activation_checkpointing,
         stages=stages,
+        update=update,
     )
     per_rank = model.estimate(layout_of(strategy), batch=batch).memory_per_rank
     # the dry run's "activations" are all the peak holds beyond the shards, FSDP2's gathered blocks too

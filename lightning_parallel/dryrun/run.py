@@ -12,9 +12,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_parallel.dryrun.prediction import layout_of, predict, stage_cut, workload_of
+from lightning_parallel.dryrun.prediction import layout_of, predict, stage_cut, update_of, workload_of
 from lightning_parallel.dryrun.report import DryRun, RoleRow, device_limit
 from lightning_parallel.dryrun.role import Role, built_by_configure_model, measure_role, stage_boundaries
+from lightning_parallel.dryrun.step import optimizer_of
 from lightning_parallel.pipeline.partition import Partition
 from lightning_parallel.pipeline.rebind import constants_unread
 from lightning_parallel.pipeline.traced_sharing import sharing_traces
@@ -107,7 +108,10 @@ def _prediction(
         return f"none ({workload.name}'s units do not follow the pipeline's cut)", None
     first = next((t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim()), None)
     rows = int(first.shape[0]) if first is not None else 1
-    return workload.name, predict(workload, strategy, batch=rows, precision=precision, hardware=hardware, stages=stages)
+    update = update_of(optimizer_of(module))
+    return workload.name, predict(
+        workload, strategy, batch=rows, precision=precision, hardware=hardware, stages=stages, update=update
+    )
 
 
 def _network_inputs(
