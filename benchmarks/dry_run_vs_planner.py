@@ -37,9 +37,10 @@ LLAMA = {  # Llama-3's published shapes
 }
 
 
-def llama(size: str, *, tp: int, dp: int = 1) -> list[str]:
-    """A Llama row, run by this script's `--llama` mode: the tensor strategy, FSDP2 replicas where dp > 1."""
-    return ["--llama", size, str(tp), str(dp)]
+def llama(size: str, *, tp: int, dp: int = 1, pp: int = 1) -> list[str]:
+    """A Llama row, run by this script's `--llama` mode: the tensor strategy with FSDP2 replicas where dp > 1, or at
+    pp > 1 the pipeline strategy (traced stages; replicas all-reduce, FSDP2 not reaching traced stages under tp)."""
+    return ["--llama", size, str(tp), str(dp), *([str(pp)] if pp > 1 else [])]
 
 
 ROWS: dict[str, list[str]] = {  # name -> overrides (or this script's --llama arguments)
@@ -54,6 +55,8 @@ ROWS: dict[str, list[str]] = {  # name -> overrides (or this script's --llama ar
     "Llama-3-8B dp8 x tp8 fsdp (64 ranks)": llama("8B", tp=8, dp=8),
     "Llama-3-70B dp8 x tp8 fsdp (64 ranks)": llama("70B", tp=8, dp=8),
     "Llama-3-70B dp32 x tp8 fsdp (256 ranks)": llama("70B", tp=8, dp=32),
+    "Llama-3-8B pp4 x tp2 (8 ranks)": llama("8B", tp=2, pp=4),
+    "Llama-3-70B dp8 x pp4 x tp8 (256 ranks)": llama("70B", tp=8, dp=8, pp=4),
 }
 QUICK = ("8B pp4 x tp2 (8 ranks)", "8B dp2 x pp2 x tp2 fsdp (8 ranks)")
 KEYS = ("params", "grads", "optimizer", "activations", "total")
@@ -65,7 +68,7 @@ def dry_run(overrides: list[str], timeout: float) -> dict[str, Any]:
         command = [sys.executable, str(ROOT / "train.py"), *DATA, *overrides, "trainer.accelerator=cpu", "dry_run=true",
                    f"hydra.run.dir={tmp}/run"]  # fmt: skip
         if overrides[0] == "--llama":
-            command = [sys.executable, __file__, *overrides, f"{tmp}/run"]
+            command = [sys.executable, __file__, *overrides[:4], f"{tmp}/run", *overrides[4:]]
         started = time.perf_counter()
         code, output = run(command, timeout=timeout, env=THREADS_ENV, cwd=Path(tmp))
         report = Path(tmp) / "run" / "dry_run.json"
@@ -74,9 +77,10 @@ def dry_run(overrides: list[str], timeout: float) -> dict[str, Any]:
         return json.loads(report.read_text()) | {"wall_s": time.perf_counter() - started}
 
 
-def llama_dry_run(size: str, tp: int, dp: int, directory: str) -> None:
+def llama_dry_run(size: str, tp: int, dp: int, directory: str, pp: int = 1) -> None:
     """`--llama`: `lightning_parallel.dry_run` of a LlamaForCausalLM of `size`'s shapes (built on meta, no weights;
-    loss from labels, AdamW) under the tensor strategy, with this benchmark's batch; writes `directory/dry_run.json`."""
+    loss from labels, AdamW) under the tensor strategy, or the pipeline's at pp > 1, with this benchmark's batch;
+    writes `directory/dry_run.json`."""
     import torch
     from causal_lm import CausalLM
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -89,8 +93,12 @@ def llama_dry_run(size: str, tp: int, dp: int, directory: str) -> None:
         network = LlamaForCausalLM(config)
     settings = dict(item.split("=") for item in DATA)
     ids = torch.randint(0, config.vocab_size, (int(settings["data.batch_size"]), int(settings["data.seq_len"])))
-    strategy = lp.TensorParallelStrategy(tensor_parallel_size=tp, data_parallel_size=dp)
-    world = tp * dp
+    strategy: Any = lp.TensorParallelStrategy(tensor_parallel_size=tp, data_parallel_size=dp)
+    if pp > 1:
+        strategy = lp.PipelineParallelStrategy(
+            pipeline_parallel_size=pp, tensor_parallel_size=tp, data_parallel_size=dp
+        )
+    world = tp * dp * pp
     lp.dry_run(CausalLM(network), strategy, devices=min(world, 8), num_nodes=max(1, world // 8),
                batch={"input_ids": ids, "labels": ids}, output_dir=directory)  # fmt: skip
 
@@ -133,8 +141,8 @@ def table(rows: list[dict[str, Any]], wall_s: float) -> str:
         "",
         "Llama-3 rows: transformers' LlamaForCausalLM from `LlamaConfig` at the published shapes (128,256-token "
         "vocabulary, 8 key-value heads), its loss from labels; the planner analyses it from one call on fake tensors "
-        "(`planner/call_analysis.py`). Pipeline layouts of Llama are left out: the dry run refuses traced pipeline "
-        "stages for now.",
+        "(`planner/call_analysis.py`), at pp > 1 cut as the traced stages are (`dryrun/prediction.stage_cut`); its "
+        "pipeline rows' replicas all-reduce (FSDP2 does not reach traced stages under tp).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -148,11 +156,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument("--rows", nargs="*", help="only these rows (names as in ROWS)")
     parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--llama", nargs=4, metavar=("SIZE", "TP", "DP", "DIR"), help="one Llama row's dry run")
+    parser.add_argument("--llama", nargs="+", metavar="SIZE TP DP DIR [PP]", help="one Llama row's dry run")
     args = parser.parse_args()
     if args.llama:
-        size, tp, dp, directory = args.llama
-        return llama_dry_run(size, int(tp), int(dp), directory)
+        size, tp, dp, directory, *pp = args.llama
+        return llama_dry_run(size, int(tp), int(dp), directory, int(pp[0]) if pp else 1)
     names = [n for n in ROWS if (not args.quick or n in QUICK) and (not args.rows or n in args.rows)]
     started = time.perf_counter()
     rows = []

@@ -6,6 +6,7 @@ and `LocalTensorMode` for checking the arithmetic of many ranks at once (real va
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -98,10 +99,35 @@ def fake_tensors() -> Iterator[Any]:
 
     DeviceMesh.__init__ = build_outside  # type: ignore[method-assign]
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, _strided_offsets_outside(unset_fake_temporarily):
             yield mode
     finally:
         DeviceMesh.__init__ = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _strided_offsets_outside(unset_fake: Callable[[], Any]) -> Iterator[None]:
+    """A `_StridedShard`'s local size and offsets computed on real tensors: torch 2.13 finds them with
+    `torch.arange(size)...tolist()`, which a fake tensor cannot answer (DataDependentOutputException,
+    aten._local_scalar_dense), when it gathers a strided shard (a head-sharded (B, H, T, T) attention viewed as
+    (B*H, T, T) for a matmul's backward; GPT-2's fused q/k/v split). Index arithmetic on the sizes only, no data.
+    A torch without the method computes them elsewhere: nothing to wrap."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    original = _StridedShard.__dict__.get("local_shard_size_and_offset")
+    if not isinstance(original, types.FunctionType):  # a method of the placement, as in 2.13
+        yield
+        return
+
+    def outside(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with unset_fake():
+            return original(self, *args, **kwargs)
+
+    _StridedShard.local_shard_size_and_offset = outside  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _StridedShard.local_shard_size_and_offset = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

@@ -240,3 +240,27 @@ def test_a_network_built_in_configure_model_is_built_on_meta_for_each_role(three
     assert [row.measured for row in result.rows] == [row.measured for row in three_d.rows]
     with pytest.raises(ValueError, match=r"overrides configure_model\(\).*HINT: give the strategy a plan"):
         lp.dry_run(module, lp.TensorParallelStrategy(tensor_parallel_size=2), devices=2, batch=tiny_batch())
+
+
+def test_a_collectives_wait_holds_no_second_copy_of_its_output() -> None:
+    """A functional all-gather waited on (what DTensor's redistribute runs): the dry run's count on fake tensors is the
+    count on real ones, where the wait returns the very tensor it waited on (a fake wait gives new storage, which
+    counted the gathered bytes twice while both lived)."""
+    from lightning_parallel.dryrun.live_bytes import LiveBytes
+    from lightning_parallel.one_process_ranks import fake_rank, fake_tensors
+
+    def peak() -> int:
+        group = torch.distributed.group.WORLD.group_name
+        shard = torch.zeros(256, 64)
+        with LiveBytes([shard]) as live:
+            gathered = torch.ops._c10d_functional.all_gather_into_tensor(shard, 2, group)
+            waited = torch.ops._c10d_functional.wait_tensor(gathered)
+            del gathered
+            total = waited.sum()  # noqa: F841 - alive beside the waited output
+        return live.peak
+
+    with fake_rank(0, 2):
+        real = peak()
+        with fake_tensors():
+            fake = peak()
+    assert real == fake == (256 + 512) * 64 * 4 + 4, (real, fake)

@@ -122,3 +122,28 @@ def set_up_on_meta(build, pp_rank: int) -> torch.nn.Module:
             module.model, strategy, lambda: strategy._example_inputs(module, BATCH, "training_step") or (None, None)
         )
     return module.model
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neo"])
+def test_transformers_family_dry_runs_at_pp2_tp2_on_padded_text(family) -> None:
+    """Built on meta, on padded text (attention mask, -100 labels), pp2 x tp2: GPT-2's fused q/k/v split gathers a
+    strided shard (its offsets found on real index tensors, not fake ones: DataDependentOutputException before),
+    GPT-Neo's forward creates its mask value from a Python float (zeros of its shape stand in: refused before). Each
+    role's parameters are the planner's, cut as the traced stages are, and the two roles hold the whole network."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hf_families import FamilyLM
+    from padded_modules import padded_loader
+
+    with torch.device("meta"):
+        module = FamilyLM(family)
+    strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, microbatches=2)
+    result = lp.dry_run(module, strategy, devices=4, batch=next(iter(padded_loader())))
+    assert [row.role for row in result.rows] == ["pp rank 0", "pp rank 1"]
+    for row in result.rows:
+        assert row.predicted is not None and row.predicted["params"] == row.measured["params"] > 0, row
+        assert row.measured["grads"] == row.measured["params"] and row.measured["activations"] > 0, row
+    blocks = [block for row in result.rows for block in row.blocks]
+    assert blocks[-1] == "lm_head" and len(set(blocks)) == len(blocks), blocks

@@ -21,10 +21,12 @@ from lightning_parallel.pipeline.partition import make_partition
 from lightning_parallel.pipeline.schedule_plan import analytic_bubble
 from lightning_parallel.pipeline.schedules import SCHEDULE_TRAITS
 from lightning_parallel.planner import (
+    Block,
     CostModel,
     Hardware,
     Layout,
     Network,
+    Workload,
     gpt_workload,
     measure_block_seconds,
     parse_bytes,
@@ -552,3 +554,29 @@ def test_fsdp2_units_peak_where_torch_holds_their_gathered_bytes() -> None:
                       unit_starts=[0, 1, 2, 3])  # fmt: skip
     # an inner unit's end: its parameters and gradients, the next unit prefetched, the last one's input (4 x 4)
     assert rank_memory(equal, shard=4, optimizer_states=2, **kwargs)["gathered"] == 16.0
+
+
+@pytest.mark.parametrize("update", ["for-loop", "foreach"])
+def test_the_optimizer_steps_temporaries_are_those_torch_adamw_makes(update) -> None:
+    """AdamW's step counted by the dry run's LiveBytes (state made, gradients held) makes the temporaries the
+    planner's `update` rule gives: one parameter at a time, the previous quotient still bound beside the current
+    sqrt and quotient; all at once, one of every parameter."""
+    from lightning_parallel.dryrun.live_bytes import LiveBytes
+
+    net = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 8))
+    params = list(net.parameters())
+    optimizer = torch.optim.AdamW(params, foreach=update == "foreach")
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()  # its state made, as in every step after the first
+    state = [v for s in optimizer.state.values() for v in s.values()]
+    with LiveBytes([*params, *(p.grad for p in params), *state]) as live:
+        optimizer.step()
+    held = sum(t.numel() * t.element_size() for t in [*params, *(p.grad for p in params), *state])
+    block = Block(name="net", params=sum(p.numel() for p in params),
+                  parameters=tuple((p.numel(), False) for p in params))  # fmt: skip
+    model = CostModel(Workload(name="mlp", blocks=(block,)), hardware_preset("cpu"), update=update)
+    predicted = model.estimate(Layout(dp=1), batch=2).memory_per_rank[0]["activations"]
+    assert predicted == pytest.approx(live.peak - held, abs=16 * len(params)), (predicted, live.peak - held)
+    # for-loop: the third layer's weight (2 copies) beside the second's bias; foreach: every parameter once
+    assert predicted == (256 + 2 * 256 * 256 if update == "for-loop" else sum(p.numel() for p in params)) * 4

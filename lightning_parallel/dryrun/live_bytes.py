@@ -21,6 +21,7 @@ from lightning_parallel.seams import dispatch_mode
 
 _MODE: Any  # torch's private TorchDispatchMode, reached through the seams
 _MODE, tree_leaves, is_traceable_wrapper_subclass = dispatch_mode()
+_WAIT = torch.ops._c10d_functional.wait_tensor.default  # returns its input (a real run's tensor is the same)
 
 
 class LiveBytes(_MODE):
@@ -35,6 +36,7 @@ class LiveBytes(_MODE):
         self._sizes: dict[int, int] = {}
         self._tokens = itertools.count()
         self._resize: Any = None
+        self._keep: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a waited output's storage -> its source's
         for tensor in held:
             self._count(tensor)
 
@@ -59,10 +61,23 @@ class LiveBytes(_MODE):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if func is _WAIT and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
+            self._alias(out, args[0])
+            return out
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self._count(leaf)
         return out
+
+    def _alias(self, out: torch.Tensor, source: torch.Tensor) -> None:
+        """`out` holds `source`'s bytes: a collective's wait returns the very tensor it waited on, which a fake tensor
+        gives new storage (a functional all-gather's output counted twice while both live). The output keeps the
+        source's storage alive, so its bytes go when both have gone, as a real tensor's."""
+        self._count(source)
+        storage = out.untyped_storage()
+        if storage not in self._seen:
+            self._seen[storage] = self._seen[source.untyped_storage()]
+            self._keep[storage] = source.untyped_storage()
 
     def _count(self, tensor: torch.Tensor) -> None:
         if is_traceable_wrapper_subclass(tensor):  # a DTensor: its local shard holds the storage

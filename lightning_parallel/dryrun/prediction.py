@@ -1,6 +1,6 @@
 """The planner's prediction for the layout a dry run sets up: the same sizes, schedule, micro-batches, replicas and
-precision as a `planner.Layout`, and its memory per pipeline rank. Predicts only what the planner can analyse (an
-`nn.Sequential` of named blocks); it measures nothing (`role.py` does).
+precision as a `planner.Layout`, and its memory per pipeline rank, on the pipeline's own cut. Predicts what the
+planner can analyse (an `nn.Sequential` of named blocks, any network from one call); it measures nothing (`role.py`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_parallel.parallelize.plan import resolve_plan
+from lightning_parallel.pipeline.partition import Partition
 from lightning_parallel.planner import CostModel, Layout, Workload, workload_from_module
 from lightning_parallel.planner.call_analysis import workload_from_call
 from lightning_parallel.planner.presets import hardware_preset
@@ -43,8 +44,7 @@ def workload_of(
 ) -> Workload | None:
     """The planner's figures for the network: an `nn.Sequential` block by block (`planner.workload_from_module`),
     any other network from one call on its inputs (`planner.workload_from_call`, the tensor plan the strategy
-    resolves); None without a tensor input, or at pp > 1 for a network that is not an `nn.Sequential` (its stages
-    are traced, and the planner's split would not be theirs)."""
+    resolves; at pp > 1 its units cut as the traced stages are, `stage_cut`); None without a tensor input."""
     if isinstance(network, nn.Sequential):
         if not args or not torch.is_tensor(args[0]):
             return None
@@ -53,13 +53,41 @@ def workload_of(
             sample = sample[:1].expand(2, *sample.shape[1:])
         return workload_from_module(copy.deepcopy(network).to("meta"), sample)
     tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
-    if strategy.dims.pp > 1 or not tensors or tensors[0].dim() == 0 or tensors[0].shape[0] < 2:
+    if not tensors or tensors[0].dim() == 0 or tensors[0].shape[0] < 2:
         return None
     tp = strategy.dims.tp
     parallel = bool(getattr(strategy, "sequence_parallel", False))
     given = getattr(strategy, "plan", None)
     plan = resolve_plan(network, given, tensor_parallel_size=tp, sequence_parallel=parallel)[1] if tp > 1 else {}
     return workload_from_call(network, args, kwargs, styles=plan)
+
+
+def stage_cut(workload: Workload, partition: Partition) -> tuple[tuple[int, ...], ...] | None:
+    """The workload's block indices per stage of the pipeline's `partition`: each block in the stage holding the
+    module of its name or one around it (a traced network's blocks are the modules its forward calls once, the
+    workload's the units `call_analysis` found, e.g. `model.layers.3`); None where a block falls in no stage or the
+    stages would not run in the workload's order."""
+    owner = {name: index for index, stage in enumerate(partition.stages) for name in stage}
+    cut: list[list[int]] = [[] for _ in partition.stages]
+    last = 0
+    for index, block in enumerate(workload.blocks):
+        parts = block.name.split(".")
+        held = next(
+            (owner[".".join(parts[:n])] for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in owner), None
+        )
+        if held is None or held < last:
+            return None
+        cut[held].append(index)
+        last = held
+    return tuple(tuple(stage) for stage in cut)
+
+
+def update_of(optimizer: torch.optim.Optimizer) -> str:
+    """How the optimizer's step makes temporaries on the dry run's CPU tensors (`planner.memory.UPDATES`): torch's
+    Adam and AdamW fused, foreach, or one parameter at a time (their CPU default); others' are not modelled."""
+    if not isinstance(optimizer, torch.optim.Adam) or optimizer.defaults.get("fused"):
+        return "fused"
+    return "foreach" if optimizer.defaults.get("foreach") else "for-loop"
 
 
 def predict(
@@ -69,14 +97,19 @@ def predict(
     batch: int,
     precision: str,
     hardware: str = "cpu",
+    stages: tuple[tuple[int, ...], ...] | None = None,
+    update: str = "fused",
 ) -> list[dict[str, float]]:
-    """Bytes of parameters, gradients, optimizer state (AdamW) and activations per pipeline rank, and their total."""
+    """Bytes of parameters, gradients, optimizer state (AdamW) and activations per pipeline rank, and their total
+    (`stages`: the pipeline's cut, as `stage_cut` gives it; `update`: as `update_of` gives it)."""
     model = CostModel(
         workload,
         hardware_preset(hardware),
         precision=precision,
         optimizer_states=2,
         activation_checkpointing=strategy.activation_checkpointing,
+        stages=stages,
+        update=update,
     )
     per_rank = model.estimate(layout_of(strategy), batch=batch).memory_per_rank
     # the dry run's "activations" are all the peak holds beyond the shards, FSDP2's gathered blocks too

@@ -20,6 +20,7 @@ from lightning_parallel.dryrun.step import boundaries_of, scheduled_step, tracke
 from lightning_parallel.one_process_ranks import fake_rank, fake_tensors, local_part
 from lightning_parallel.parallelize import parallelize_pipeline, parallelize_tensor
 from lightning_parallel.parallelize.replicas import modules_split_over
+from lightning_parallel.pipeline.partition import Partition
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
 from lightning_parallel.strategies.tensor import TensorParallelStrategy
@@ -124,8 +125,10 @@ def _set_up_and_step(
     return Measured(params, done.peak_parameter_bytes, step, blocks, sharded, time.perf_counter() - started)
 
 
-def stage_boundaries(module: pl.LightningModule, strategy: PipelineParallelStrategy, batch: Any) -> list[tuple]:
-    """Each stage's inputs for one micro-batch, from the whole network cut as every role cuts it (on a meta copy,
+def stage_boundaries(
+    module: pl.LightningModule, strategy: PipelineParallelStrategy, batch: Any
+) -> tuple[Partition, list[tuple]]:
+    """The whole network's cut as every role cuts it, and each stage's inputs for one micro-batch (on a meta copy,
     outside any fake process group)."""
     from lightning_parallel.parallelize.split import partition_stages
     from lightning_parallel.pipeline.split import network_split
@@ -146,8 +149,7 @@ def stage_boundaries(module: pl.LightningModule, strategy: PipelineParallelStrat
     partition, _ = partition_stages(
         split, spec=strategy.spec, pp=strategy.dims.pp, balance=strategy.balance, block_costs=None
     )
-    bounds = boundaries_of(split, partition, micro, strategy.dims.pp)
-    return bounds
+    return partition, boundaries_of(split, partition, micro, strategy.dims.pp)
 
 
 def _named_blocks(network: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

@@ -12,9 +12,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_parallel.dryrun.prediction import layout_of, predict, workload_of
+from lightning_parallel.dryrun.prediction import layout_of, predict, stage_cut, update_of, workload_of
 from lightning_parallel.dryrun.report import DryRun, RoleRow, device_limit
 from lightning_parallel.dryrun.role import Role, built_by_configure_model, measure_role, stage_boundaries
+from lightning_parallel.dryrun.step import optimizer_of
+from lightning_parallel.pipeline.partition import Partition
+from lightning_parallel.pipeline.rebind import constants_unread
 from lightning_parallel.pipeline.traced_sharing import sharing_traces
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
@@ -51,7 +54,8 @@ def dry_run(
     Returns:
         One row per role, measured and predicted; `str()` is the table.
     """
-    with sharing_traces():  # one trace of a traced network serves the check, the cut and every role
+    # one trace of a traced network serves the check, the cut and every role; constants' values are never read
+    with sharing_traces(), constants_unread():
         module = built_by_configure_model(module, strategy)
         world = devices * num_nodes
         strategy._dims = strategy.resolve_dims(world)
@@ -62,10 +66,10 @@ def dry_run(
         if batch is None:
             example = getattr(module, "example_input_array", None)
             batch = example
-        boundaries = None
+        boundaries = partition = None
         if isinstance(strategy, PipelineParallelStrategy) and dims.pp > 1:
-            boundaries = stage_boundaries(module, strategy, batch)
-        planner, predicted = _prediction(module, strategy, batch, precision=precision, hardware=hardware)
+            partition, boundaries = stage_boundaries(module, strategy, batch)
+        planner, predicted = _prediction(module, strategy, batch, partition, precision=precision, hardware=hardware)
         rows = []
         for pp_rank in range(dims.pp):
             role = Role(pp_rank=pp_rank, rank=pp_rank * dims.tp, ranks=dims.dp * dims.tp)
@@ -85,17 +89,29 @@ def dry_run(
 
 
 def _prediction(
-    module: pl.LightningModule, strategy: MeshStrategy, batch: Any, *, precision: str, hardware: str
+    module: pl.LightningModule,
+    strategy: MeshStrategy,
+    batch: Any,
+    partition: Partition | None,
+    *,
+    precision: str,
+    hardware: str,
 ) -> tuple[str, list[dict[str, float]] | None]:
-    """What the planner analysed (or why nothing), and its figures per pipeline rank."""
+    """What the planner analysed (or why nothing), and its figures per pipeline rank (`partition`: the roles' cut)."""
     network = strategy.network_of(module)
     args, kwargs = _network_inputs(module, strategy, batch)
     workload = workload_of(network, args, kwargs, strategy)
     if workload is None:
         return f"none (no analysis of {type(network).__name__} here)", None
+    stages = stage_cut(workload, partition) if partition is not None else None
+    if partition is not None and stages is None:
+        return f"none ({workload.name}'s units do not follow the pipeline's cut)", None
     first = next((t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim()), None)
     rows = int(first.shape[0]) if first is not None else 1
-    return workload.name, predict(workload, strategy, batch=rows, precision=precision, hardware=hardware)
+    update = update_of(optimizer_of(module))
+    return workload.name, predict(
+        workload, strategy, batch=rows, precision=precision, hardware=hardware, stages=stages, update=update
+    )
 
 
 def _network_inputs(

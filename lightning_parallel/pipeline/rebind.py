@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 from torch import nn
@@ -34,6 +36,28 @@ def shared_copy(network: nn.Module) -> nn.Module:
 
 
 _CONSTANTS = ("lifted_tensor_", "_tensor_constant")  # torch.export's names for tensors a forward creates
+
+
+_UNREAD: ContextVar[bool] = ContextVar("lightning_parallel_constants_unread", default=False)
+
+
+@contextlib.contextmanager
+def constants_unread() -> Iterator[None]:
+    """Inside, the values of tensors a forward creates from Python values are never read (the dry run computes on
+    fake tensors), so a network traced on the meta device takes zeros of their shapes for them (`placeholders`)
+    instead of being refused for want of them."""
+    token = _UNREAD.set(True)
+    try:
+        yield
+    finally:
+        _UNREAD.reset(token)
+
+
+def placeholders(found: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """Zeros in the shapes and dtypes of a meta trace's constants inside `constants_unread()`; None outside."""
+    if not _UNREAD.get():
+        return None
+    return {name: torch.zeros(t.shape, dtype=t.dtype, device="cpu") for name, t in found.items()}
 
 
 def traced_constants(stage: nn.Module) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ from lightning_parallel.pipeline.rebind import (
     canonical_names,
     fill_constants,
     meta_copy,
+    placeholders,
     rebind,
     shared_copy,
     tensor_aliases,
@@ -221,6 +222,9 @@ class TracedNetwork:
         if not any(t.is_meta for t in found.values()):
             return dict(found)
         if any(t.is_meta for t in [*network.parameters(), *network.buffers()]):
+            unread = placeholders(found)  # the dry run's: no value is ever read
+            if unread is not None:
+                return unread
             raise ValueError(
                 f"pipeline tracing: {self._name}.forward creates tensors from Python values ({', '.join(found)}), "
                 "whose values a trace of a network on the meta device does not keep. HINT: build the model on the "

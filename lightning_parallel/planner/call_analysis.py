@@ -132,9 +132,10 @@ def _block(
     counts = flops.get_flop_counts()
     forward = sum(sum(v.values()) for key, v in counts.items() if key.endswith(f".{unit}") or key == unit)
     params = sum(p.numel() for p in module.parameters())
-    sharded = sum(
-        p.numel() for key, p in module.named_parameters() if _sharded_by(f"{unit}.{key}", tracker.styles, tracker)
+    each = tuple(
+        (p.numel(), _sharded_by(f"{unit}.{key}", tracker.styles, tracker)) for key, p in module.named_parameters()
     )
+    sharded = sum(n for n, split in each if split)
     return Block(
         name=unit,
         kind=type(module).__name__,
@@ -148,6 +149,7 @@ def _block(
         tp_outside_activations=tp_loss / rows,
         output=figures["output"] / rows,
         replica_unit=unit.partition(".")[0],  # the tensor strategy's FSDP2 wraps each child of the network
+        parameters=each,
     )
 
 

@@ -17,7 +17,7 @@ from lightning_parallel.planner.checkpointing import MODES as CHECKPOINTING
 from lightning_parallel.planner.checkpointing import checkpointed_kinds, kept_and_rematerialised, recompute_factor
 from lightning_parallel.planner.hardware import Hardware, precision_bytes
 from lightning_parallel.planner.layout import Estimate, Layout, check_layout
-from lightning_parallel.planner.memory import RankBytes, rank_memory
+from lightning_parallel.planner.memory import UPDATES, RankBytes, rank_memory
 from lightning_parallel.planner.schedule_costs import schedule_cost
 from lightning_parallel.planner.workload import Workload
 
@@ -38,6 +38,7 @@ class _Rank:
     blocks: int
     block_params: tuple[float, ...] = ()  # local parameters per block, in forward order
     block_activations: tuple[float, ...] = ()  # bytes kept per sample per block, in forward order
+    update: float = 0.0  # state elements the optimizer step's temporaries hold (``memory.UPDATES``)
 
 
 class CostModel:
@@ -50,6 +51,9 @@ class CostModel:
         optimizer_states: Optimizer state elements per parameter (Adam: 2, SGD with momentum: 1).
         activation_checkpointing: "none", "full" or "selective", per block as the strategies apply it
             (``planner/checkpointing.py``).
+        stages: Block indices per stage as the pipeline cuts the network (a traced network's cut, balanced by
+            FLOPs), for layouts with that many stages; others are balanced by parameters as ``make_partition``.
+        update: How the optimizer's step makes temporaries (``memory.UPDATES``: "for-loop", "foreach", "fused").
     """
 
     def __init__(
@@ -60,6 +64,8 @@ class CostModel:
         precision: str = "32-true",
         optimizer_states: int = 2,
         activation_checkpointing: str = "none",
+        stages: Sequence[Sequence[int]] | None = None,
+        update: str = "fused",
     ):
         if optimizer_states < 0:
             raise ValueError(f"optimizer_states={optimizer_states} must be >= 0. HINT: Adam keeps 2, SGD 0 or 1")
@@ -68,9 +74,12 @@ class CostModel:
                 f"activation_checkpointing={activation_checkpointing!r} is unknown. HINT: one of "
                 f"{', '.join(CHECKPOINTING)}"
             )
-        self.activation_checkpointing = activation_checkpointing
+        if update not in UPDATES:
+            raise ValueError(f"update={update!r} is unknown. HINT: one of {', '.join(UPDATES)}")
+        self.activation_checkpointing, self.update = activation_checkpointing, update
         self.workload, self.hardware, self.precision = workload, hardware, precision
         self.optimizer_states = optimizer_states
+        self.stages = tuple(tuple(stage) for stage in stages) if stages is not None else None
         self.param_bytes, self.grad_bytes, self.state_bytes, self.act_bytes = precision_bytes(precision)
         self.rate = hardware.flops_for(precision) * hardware.efficiency
         self._split = functools.lru_cache(maxsize=None)(self._split_uncached)
@@ -78,7 +87,9 @@ class CostModel:
 
     # ---- what layouts share ----------------------------------------------------------------------
     def _split_uncached(self, num_stages: int) -> tuple[tuple[int, ...], ...]:
-        """Block indices per stage, balanced by parameters exactly as the pipeline strategy's ``make_partition``."""
+        """Block indices per stage: the given cut, or balanced by parameters exactly as ``make_partition``."""
+        if self.stages is not None and len(self.stages) == num_stages:
+            return self.stages
         blocks = self.workload.blocks
         names = [str(i) for i in range(len(blocks))]
         costs = [float(max(b.params, 1)) for b in blocks]
@@ -104,6 +115,7 @@ class CostModel:
         count = collectives = 0
         block_params: list[float] = []
         block_activations: list[float] = []
+        sizes: list[float] = []  # local elements of each parameter, in update order
         units: list[tuple[str, int, float]] = []  # FSDP2 units: (name, first block here, local parameters)
         checkpointed = checkpointed_kinds(self.workload.blocks)
         for index in (i for s in stages for i in split[s]):
@@ -113,6 +125,7 @@ class CostModel:
             recompute = recompute_factor(mode)
             local = block.params - block.tp_params + block.tp_params / tp
             params += local
+            sizes.extend(n / tp if split else n for n, split in block.parameters)
             block_params.append(local)
             if units and block.replica_unit and units[-1][0] == block.replica_unit:
                 units[-1] = (block.replica_unit, units[-1][1], units[-1][2] + local)
@@ -137,7 +150,18 @@ class CostModel:
                 comm_per_sample += per_byte * elements * self.act_bytes
         sums = (fixed, per_sample, comm_fixed, collectives, comm_per_sample, activations, rebuilt, count)
         replicas = tuple((start, size) for _, start, size in units)
-        return _Rank(params, replicas, *sums, tuple(block_params), tuple(block_activations))
+        return _Rank(
+            params, replicas, *sums, tuple(block_params), tuple(block_activations), self._update(sizes, params)
+        )
+
+    def _update(self, sizes: list[float], params: float) -> float:
+        """State elements the optimizer step's temporaries hold at most (``memory.UPDATES``), from the local sizes
+        of the rank's parameters in update order."""
+        if self.update == "foreach":
+            return params
+        if self.update == "for-loop":
+            return max((2 * n + (sizes[i - 1] if i else 0.0) for i, n in enumerate(sizes)), default=0.0)
+        return 0.0
 
     # ---- one layout ------------------------------------------------------------------------------
     def estimate(self, layout: Layout, *, batch: int) -> Estimate:
@@ -273,7 +297,7 @@ class CostModel:
             first, after = in_flight[min(rank, len(in_flight) - 1)]
             held = RankBytes(figures.block_params, figures.block_activations, figures.rematerialised,
                              [size for _, size in figures.replica_units],
-                             [start for start, _ in figures.replica_units])  # fmt: skip
+                             [start for start, _ in figures.replica_units], figures.update)  # fmt: skip
             memories.append(
                 rank_memory(
                     held,

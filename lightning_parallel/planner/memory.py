@@ -9,6 +9,12 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# How an optimizer's step makes temporaries of state elements (torch's Adam / AdamW): "for-loop" one parameter at a time
+# (its second moment's sqrt and their quotient, beside the previous parameter's quotient, still bound: the most of
+# p_prev + 2 p over the update order; CPU's default), "foreach" the whole group at once (the sqrt of every second
+# moment: all parameters; CUDA's default), "fused" none.
+UPDATES = ("for-loop", "foreach", "fused")
+
 
 @dataclass(frozen=True)
 class RankBytes:
@@ -20,6 +26,7 @@ class RankBytes:
     rematerialised: float  # bytes per sample one checkpointed block rebuilds during its backward (the largest)
     replica_units: Sequence[float]  # parameters of each FSDP2 unit (gathered at once), in forward order
     unit_starts: Sequence[int]  # the index of each unit's first block
+    update: float = 0.0  # state elements of the optimizer step's temporaries (tensor shards)
 
 
 def peak_of_step(
@@ -66,7 +73,9 @@ def rank_memory(
     checkpointed block rebuilt), FSDP2's whole blocks beyond the shards ("gathered"), and their total.
 
     ``at_first_grad`` and ``with_grads`` count (stage, micro-batch) pairs; a pair holds 1 / ``stages_per_rank`` of
-    the rank's activations. ``sizes``: bytes per parameter, gradient and optimizer-state element.
+    the rank's activations. ``sizes``: bytes per parameter, gradient and optimizer-state element. Where the optimizer
+    step's temporaries (``rank.update``) outweigh the backward's peak, the step peaks there and "activations" are
+    those temporaries (every activation freed by then, nothing gathered).
     """
     param_bytes, grad_bytes, state_bytes = sizes
     params = sum(rank.params) / shard
@@ -88,11 +97,15 @@ def rank_memory(
             transients[start] = max(transients[start], at_end)
     peak = peak_of_step(grads, micro_acts, at_first_grad=at_first_grad, with_grads=with_grads, transients=transients)
     gathered = max(transients, default=0.0)
+    activations = peak - sum(grads) - gathered + rank.rematerialised * micro
+    temporaries = rank.update / shard * state_bytes
+    if optimizer_states and temporaries > activations + gathered:
+        activations, gathered = temporaries, 0.0
     memory = {
         "params": params * param_bytes,
         "grads": params * grad_bytes,
         "optimizer": params * optimizer_states * state_bytes,
-        "activations": peak - sum(grads) - gathered + rank.rematerialised * micro,
+        "activations": activations,
         "gathered": gathered,
     }
     memory["total"] = sum(memory.values())

@@ -36,6 +36,8 @@ class Block:
         seconds: Measured forward + backward time ``(fixed, per sample)`` on one device; None = from FLOPs.
         replica_unit: The FSDP2 unit it belongs to: adjacent blocks naming the same one are gathered together (a
             transformers model's decoder layers inside its base model); "" = a unit of its own.
+        parameters: Each parameter's elements and whether tensor parallelism splits it, in the order an optimizer
+            updates them (one updating a parameter at a time makes temporaries of its size); () = not known.
     """
 
     name: str
@@ -54,6 +56,7 @@ class Block:
     collectives: tuple[tuple[str, float], ...] = ()
     seconds: tuple[float, float] | None = None
     replica_unit: str = ""
+    parameters: tuple[tuple[int, bool], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
