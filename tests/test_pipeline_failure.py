@@ -36,6 +36,7 @@ def fail(tmp_path: Path, mode: str, *extra: str, rank: int = 1) -> tuple[subproc
         cwd=tmp_path,
         timeout=120,
         env={"PYTHONPATH": str(WORKERS)},
+        fresh_ranks=True,  # ranks as a user's run starts them: `leftovers` finds them by their command line
     )
     return result, time.time() - float((tmp_path / "failed_at").read_text())  # start-up time left out
 
