@@ -45,14 +45,21 @@ def compose_cfg(tmp_path: Path) -> Callable[..., DictConfig]:
 
 
 def run_cli(
-    *args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None, fresh: bool = False
+    *args: str,
+    cwd: Path,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+    fresh: bool = False,
+    fresh_ranks: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Run train.py as a user would, in a scratch working directory. Its first process is forked from the tests'
     server, which imported torch, Lightning and the library once (tests/distributed.py: ~9 s of CPU less per
-    launch); `fresh=True` starts a new interpreter, as `python train.py` does (the ranks a launch starts always are)."""
+    launch), and the ranks it launches are forks of it (tests/forked_ranks.py: ~9 s each less); `fresh_ranks=True`
+    launches them as new interpreters, as a user's run does (the failure tests, which watch the processes), and
+    `fresh=True` also starts the first process as one, as `python train.py` does."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0", **(env or {})}
     if not fresh:
-        return run_script(ROOT / "train.py", list(args), cwd=cwd, env=env, timeout=timeout)
+        return run_script(ROOT / "train.py", list(args), cwd=cwd, env=env, timeout=timeout, fork_ranks=not fresh_ranks)
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args],
         cwd=cwd,

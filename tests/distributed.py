@@ -48,14 +48,21 @@ def _become(script: str, out: str, env: dict[str, str], log: str) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
-def _become_script(script: str, args: list[str], cwd: str, env: dict[str, str], out: Any, err: Any) -> None:
+def _become_script(
+    script: str, args: list[str], cwd: str, env: dict[str, str], out: Any, err: Any, fork_ranks: bool = False
+) -> None:
     """In a fork of the server: `python <script> <args>` run from `cwd` with `env`, its standard output and error
-    going to the pipes `out` and `err` (which the ranks it launches inherit, as from a shell)."""
+    going to the pipes `out` and `err` (which the ranks it launches inherit, as from a shell). With `fork_ranks` the
+    ranks Lightning's launcher starts are forks of this process (tests/forked_ranks.py)."""
     os.setsid()  # a session of its own, which the ranks it launches join: a timeout ends them all (run_script)
     os.dup2(out.fileno(), 1)
     os.dup2(err.fileno(), 2)
     out.close()
     err.close()
+    if fork_ranks:
+        from forked_ranks import fork_launched_ranks
+
+        fork_launched_ranks(_run_as_script)
     _run_as_script(script, args, cwd, env)
 
 
@@ -98,16 +105,19 @@ def _run_as_script(script: str, args: list[str], cwd: str, env: dict[str, str]) 
 
 
 def run_script(
-    script: Path | str, args: list[str], *, cwd: Path, env: dict[str, str], timeout: float
+    script: Path | str, args: list[str], *, cwd: Path, env: dict[str, str], timeout: float, fork_ranks: bool = False
 ) -> subprocess.CompletedProcess[str]:
     """`python <script> <args>` (script "-m <module>": `python -m <module> <args>`) as
     subprocess.run(capture_output=True, text=True) runs it, in a fork of the server that imported torch, Lightning and
-    the library once: ~9 s of CPU less than a fresh interpreter (the ranks > 0 a launch starts are still fresh
-    interpreters, and run the command line as a user's would). Its output is read until every process holding the
+    the library once: ~9 s of CPU less than a fresh interpreter (the ranks > 0 a launch starts are fresh interpreters
+    running the command line as a user's would, or with `fork_ranks` forks of it running that command line: another
+    ~9 s of CPU less each, tests/forked_ranks.py). Its output is read until every process holding the
     pipes (the ranks it started too) has closed them; after `timeout` it is killed with the ranks it started
     (subprocess.run would leave those running) and subprocess.TimeoutExpired raised."""
     (out_r, out_w), (err_r, err_w) = _FORKS.Pipe(duplex=False), _FORKS.Pipe(duplex=False)
-    proc = _FORKS.Process(target=_become_script, args=(str(script), list(args), str(cwd), env, out_w, err_w))
+    proc = _FORKS.Process(
+        target=_become_script, args=(str(script), list(args), str(cwd), env, out_w, err_w, fork_ranks)
+    )
     proc.start()
     out_w.close()
     err_w.close()

@@ -111,6 +111,7 @@ def test_a_killed_worker_ends_the_run(tmp_path: Path) -> None:
         cwd=tmp_path,
         timeout=90,
         env={"PYTHONPATH": str(WORKERS)},
+        fresh_ranks=True,  # ranks as a user's run starts them: pgrep below finds them by their command line
     )
     seconds = time.monotonic() - start
     assert result.returncode != 0

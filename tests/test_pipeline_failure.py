@@ -3,6 +3,8 @@ once, the run exits non-zero, and no process is left behind. The raising rank is
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -25,8 +27,12 @@ RUN = [
 THREE_D = ["trainer.devices=8", "strategy.pipeline_parallel_size=2", "strategy.tensor_parallel_size=2"]
 
 
-def fail(tmp_path: Path, mode: str, *extra: str, rank: int = 1) -> tuple[subprocess.CompletedProcess[str], float]:
-    """Run with one rank failing at step 2; the result, and the seconds from that failure to the CLI's exit."""
+def fail(
+    tmp_path: Path, mode: str, *extra: str, rank: int = 1, fresh_ranks: bool = True
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run with one rank failing at step 2; the result, and the seconds from that failure to the CLI's exit. The
+    ranks are fresh interpreters as in a user's run, or with `fresh_ranks=False` forks running the same command line
+    (tests/forked_ranks.py: ~9 s of CPU less each)."""
     inject = f"+callbacks.fail={{_target_:failing.FailAt,rank:{rank},step:2,mode:{mode}}}"
     result = run_cli(
         *RUN,
@@ -36,18 +42,26 @@ def fail(tmp_path: Path, mode: str, *extra: str, rank: int = 1) -> tuple[subproc
         cwd=tmp_path,
         timeout=120,
         env={"PYTHONPATH": str(WORKERS)},
+        fresh_ranks=fresh_ranks,
     )
     return result, time.time() - float((tmp_path / "failed_at").read_text())  # start-up time left out
 
 
 def leftovers(tmp_path: Path) -> str:
+    """Processes left of the run: by their command line (a fresh rank's names the run directory) or their working
+    directory (every rank's, forked ones included, is the test's)."""
     time.sleep(1)
-    return subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True).stdout
+    found = subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True).stdout
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if proc.name.isdigit() and Path(os.readlink(proc / "cwd")).is_relative_to(tmp_path):
+                found += f"{proc.name} (working directory {tmp_path})\n"
+    return found
 
 
 @pytest.mark.slow
 def test_one_of_eight_ranks_that_raises_stops_the_run(tmp_path: Path) -> None:
-    result, seconds = fail(tmp_path, "raise", *THREE_D, rank=5)
+    result, seconds = fail(tmp_path, "raise", *THREE_D, rank=5, fresh_ranks=False)
     assert result.returncode != 0
     assert result.stderr.count("RuntimeError: injected failure on rank 5") == 1, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]

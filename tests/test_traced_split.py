@@ -1,6 +1,5 @@
-"""Traced pipeline splits of networks with their own forward: stages chained by hand in one process must
-compute exactly what the eager network computes, on the network's own (pruned, rebound) tensors.
-Over 300 lines: each construct the tracer must follow or refuse is a small case of one concept."""
+"""Traced pipeline splits of networks with their own forward (tests/traced_networks.py): stages chained by hand in
+one process must compute exactly what the eager network computes, on the network's own (pruned, rebound) tensors."""
 
 from __future__ import annotations
 
@@ -8,112 +7,14 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
+from traced_networks import MLP, Branch, Labelled, NormDrop, Scalar, Skip, Tied, TutorialCNN
 
 from lightning_parallel.pipeline.balance import split_by_cost
 from lightning_parallel.pipeline.partition import parameter_costs
 from lightning_parallel.pipeline.traced import TracedNetwork, check_traceable, prune_children
 
 TOL = 1e-6
-
-
-class TutorialCNN(nn.Module):
-    """The CIFAR tutorial network: a pool module called twice and a flatten that bakes in the batch size."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 6, 5)
-        self.pool = nn.MaxPool2d(2, 2)
-        self.conv2 = nn.Conv2d(6, 16, 5)
-        self.fc = nn.Linear(16 * 5 * 5, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.pool(F.relu(self.conv1(x)))
-        x = self.pool(F.relu(self.conv2(x)))
-        return self.fc(x.view(x.size(0), -1))
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc0, self.fc1, self.fc2, self.fc3 = (nn.Linear(8, 8) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(torch.tanh(self.fc2(F.gelu(self.fc1(F.relu(self.fc0(x)))))))
-
-
-class Skip(nn.Module):
-    """``h`` jumps from the first block over a whole stage; ``y`` leaves the network from a middle stage."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.a(x)
-        y = self.c(torch.relu(self.b(h)))
-        return self.d(y + h), y
-
-
-class NormDrop(nn.Module):
-    def __init__(self, p: float = 0.0) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.bn = nn.BatchNorm2d(4)
-        self.drop = nn.Dropout(p)
-        self.head = nn.Linear(4 * 8 * 8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.bn(self.conv(x)))
-        return self.head(self.drop(x.flatten(1)))
-
-
-class Tied(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(11, 8)
-        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
-        self.head = nn.Linear(8, 11, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.emb(tokens) + torch.arange(tokens.shape[1], device=tokens.device, dtype=torch.float32)[:, None]
-        for layer in self.layers:
-            x = x + F.gelu(layer(x))
-        return self.head(x)
-
-
-class Branch(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.a(x)
-        if x.sum() > 0:
-            x = x * 2
-        return self.b(x)
-
-
-class Scalar(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.a(x)
-        scale = x.abs().max().item()
-        return self.b(x) / scale
-
-
-class Labelled(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, str]:
-        return self.b(self.a(x)), "logits"
 
 
 def run_chain(stages: dict[int, nn.Module], *inputs: torch.Tensor) -> object:
@@ -305,7 +206,7 @@ def test_untraceable_forward_fails_in_one_line_naming_the_construct() -> None:
     message = str(info.value)
     assert "\n" not in message
     assert "Branch.forward branches on a tensor value" in message
-    assert "test_traced_split.py" in message and "(if x.sum() > 0:)" in message and "HINT:" in message
+    assert "traced_networks.py" in message and "(if x.sum() > 0:)" in message and "HINT:" in message
 
 
 @pytest.mark.parametrize(
