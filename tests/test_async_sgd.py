@@ -102,7 +102,6 @@ def test_resume_starts_from_the_saved_server_weights_and_step(tmp_path: Path) ->
 @pytest.mark.slow
 def test_a_killed_worker_ends_the_run(tmp_path: Path) -> None:
     inject = "+callbacks.fail={_target_:failing.FailAt,rank:1,step:5,mode:kill}"
-    start = time.monotonic()
     result = run_cli(
         *RUN,
         "trainer.max_steps=50",
@@ -113,11 +112,13 @@ def test_a_killed_worker_ends_the_run(tmp_path: Path) -> None:
         env={"PYTHONPATH": str(WORKERS)},
         fresh_ranks=True,  # ranks as a user's run starts them: pgrep below finds them by their command line
     )
-    seconds = time.monotonic() - start
+    ended = time.time()
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors[0].startswith("error: rank 1 died first: it was killed by SIGKILL"), result.stderr[-3000:]
-    assert seconds < 60, f"took {seconds:.0f} s"
+    # from the kill to the run's end (not from the start: fresh ranks' start-up is load-dependent), far below a hang's
+    seconds = ended - float((tmp_path / "failed_at").read_text())
+    assert seconds < 45, f"took {seconds:.0f} s after the kill"
     time.sleep(1)
     assert not subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True).stdout
     assert not (tmp_path / "run" / "summary.json").exists()
