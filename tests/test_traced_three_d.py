@@ -2,8 +2,9 @@
 networks have their own forward (a residual CNN; Hugging Face GPT-2 called positionally, with a plan given; a Qwen2
 whose embedding is tied to its head across the stages, under its own plan) train at pp2 x tp2 (and a CNN at
 dp2 x pp2 x tp2) exactly as one process does: losses and final weights within 1e-5. In one process: how a parameter
-tied across stages is sharded (alike on every holder, or whole with the reason), and dropout after a row-parallel
-layer (its partial sums reduced first, one mask on every rank)."""
+tied across stages is sharded (alike on every holder, or whole with the reason), dropout after a row-parallel
+layer (its partial sums reduced first, one mask on every rank), and a traced Llama's weight gradients (shards, never
+whole-sized)."""
 
 from __future__ import annotations
 
@@ -159,3 +160,75 @@ def test_dropout_after_a_row_parallel_layer_in_a_traced_stage_drops_the_reduced_
             first, *others = ranks
             assert all(torch.equal(first, other) for other in others)  # one mask on every rank
             assert set(first.unique().tolist()) == {0.0, 6.0}  # the sum 3, kept at 3 / (1 - 0.5), or dropped
+
+
+def test_planned_weights_gradients_in_a_traced_llama_at_tp2_are_shards_never_whole() -> None:
+    """A traced Llama at pp2 x tp2 in one process: every matmul in backward that makes a planned weight's gradient
+    makes this rank's shard (a Partial or Replicate of a weight's whole shape was 2 x a Llama-3-70B tp8 MLP weight
+    per rank), each gradient is placed like its weight, and each is one device's."""
+    from hf_modules import VOCAB, padded
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_parallel.one_process_ranks import simulated_ranks
+    from lightning_parallel.pipeline.call import network_call
+    from lightning_parallel.pipeline.traced import TracedNetwork
+    from lightning_parallel.tensor.hf_plans import transformers_plan
+    from lightning_parallel.tensor.plans import matches
+    from lightning_parallel.tensor.sharded_logits import ShardedLogits
+    from lightning_parallel.tensor.traced_stages import distribute_planned, stages_on_mesh
+
+    aten = torch.ops.aten
+
+    class Matmuls(TorchDispatchMode):
+        """(shape, placements) of each DTensor a matmul makes."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.made: list[tuple[tuple[int, ...], tuple]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if func in (aten.mm.default, aten.addmm.default) and isinstance(out, DTensor):
+                self.made.append((tuple(out.shape), out.placements))
+            return out
+
+    def llama() -> torch.nn.Module:  # 6 tokens: no weight's dimension, so a weight's shape is never an activation's
+        config = LlamaConfig(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=8, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        return LlamaForCausalLM(config)
+
+    torch.manual_seed(0)
+    one = llama()
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    call, inputs = network_call(one, (), {"input_ids": ids, "labels": padded(ids)})
+    one(input_ids=ids, labels=padded(ids), use_cache=False).loss.backward()
+    traced, plan = TracedNetwork(one, inputs, call), transformers_plan(one) or {}
+    split = [traced.blocks[:3], traced.blocks[3:]]
+    traced.stage_modules(split, [0, 1], inputs, one)  # traced out here: torch.export does not run in the simulation
+    with simulated_ranks(2):
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        network = llama()
+        network.load_state_dict(one.state_dict())
+        for name, module in network.named_modules():
+            for style in [style for pattern, style in plan.items() if name and matches(pattern, name)][:1]:
+                distribute_planned(module, style, mesh)
+        stages, _ = stages_on_mesh(traced.stage_modules(split, [0, 1], inputs, network), None, mesh, ["lm_head"])
+        with ShardedLogits():
+            loss = stages[1](*stages[0](*inputs))[0]
+            with Matmuls() as backward:
+                loss.backward()
+        planned = {n: p for n, p in network.named_parameters() if isinstance(p, DTensor) and p.dim() == 2}
+        assert len(planned) == 9, sorted(planned)  # q k v o, gate up down, the head, the embedding
+        whole = {shape for p in planned.values() for shape in (tuple(p.shape), tuple(p.shape)[::-1])}
+        shards = ((Shard(0),), (Shard(1),))
+        made_whole = [(shape, placed) for shape, placed in backward.made if shape in whole and placed not in shards]
+        assert len(backward.made) >= 14 and not made_whole, made_whole  # 2 matmuls per planned linear
+        for name, parameter in planned.items():
+            grad = parameter.grad
+            assert isinstance(grad, DTensor) and grad.placements == parameter.placements, (name, grad)
+            gap = (grad.full_tensor() - one.get_parameter(name).grad).abs().max()
+            assert all(float(value) < 1e-6 for value in gap._local_tensors.values()), name  # type: ignore[attr-defined]

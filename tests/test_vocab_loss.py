@@ -186,7 +186,8 @@ def test_traced_stages_compute_the_loss_on_the_logits_shards() -> None:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     from lightning_parallel.tensor.sharded_logits import ShardedLogits
-    from lightning_parallel.tensor.traced_stages import _cross_entropy, _head_linear, distribute_planned
+    from lightning_parallel.tensor.traced_linear import head_linear
+    from lightning_parallel.tensor.traced_stages import _cross_entropy, distribute_planned
 
     torch.manual_seed(0)
     hidden, whole = torch.randn(B * T, 4), nn.Linear(4, V, bias=False)
@@ -199,7 +200,7 @@ def test_traced_stages_compute_the_loss_on_the_logits_shards() -> None:
         value = per_rank(x.full_tensor())[0]  # what they sum to
         expected = F.cross_entropy(whole(value), labels)
         expected.backward()
-        logits = _head_linear(x, head.weight)
+        logits = head_linear(x, head.weight)
         target = distribute_tensor(labels, mesh, [Replicate()])
         with ShardedLogits() as session:
             loss = _cross_entropy(logits, target)

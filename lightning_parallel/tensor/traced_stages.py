@@ -15,10 +15,12 @@ would, and inserts the collectives (all-reduce of a rowwise layer's partial sums
 crosses a sharded dimension). Parity is exact up to summation order; ops DTensor cannot shard correctly are
 replaced: Conv2d and BatchNorm with channel-sharded parameters run on local shards (DTensor shards convolutions
 spatially only), scaled-dot-product attention runs whole on every rank (torch 2.13 has no CPU backward rule),
-dropout reduces a row-parallel layer's partial sums before it draws; a `vocab_head` takes its input whole, a
-cross-entropy on its logits runs on their vocabulary shards in a step's `ShardedLogits` session (`vocab_loss.py`), and
-in a session the stage holding it returns them split by vocabulary (`sharded_logits.handed_on`), for the loss after it;
-a vocabulary-sharded embedding looks up each rank's own rows (`vocab_embedding.lookup_own_rows`).
+dropout reduces a row-parallel layer's partial sums before it draws; a planned linear takes and leaves no partial
+sums, a row-parallel one its input split (so weight gradients are shards, `traced_linear.py`); a `vocab_head` takes
+its input whole, a cross-entropy on its logits runs on their vocabulary shards in a step's `ShardedLogits` session
+(`vocab_loss.py`), and in a session the stage holding it returns them split by vocabulary
+(`sharded_logits.handed_on`), for the loss after it; a vocabulary-sharded embedding looks up each rank's own rows
+(`vocab_embedding.lookup_own_rows`).
 
 Cost, honestly: every op goes through DTensor's eager dispatch (slower per op than plain tensors, like tp=1
 DTensors on GPU), a layer whose output is split or viewed across its sharded dimension (a fused q|k|v projection)
@@ -41,6 +43,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_parallel.tensor.sharded_logits import current_session, handed_on
 from lightning_parallel.tensor.styles import STYLE_TRAITS
+from lightning_parallel.tensor.traced_linear import head_linear, planned_linear
 from lightning_parallel.tensor.vocab_embedding import lookup_own_rows
 from lightning_parallel.tensor.vocab_loss import cross_entropy_on_shards, sharded_class_dim
 
@@ -87,9 +90,10 @@ def distribute_planned(module: nn.Module, style: str, mesh: DeviceMesh) -> None:
 def run_on_mesh(stage: nn.Module, mesh: DeviceMesh, heads: Collection[str] = ()) -> nn.Module:
     """Rewrite a traced stage's graphs in place (once) so it computes on DTensors over `mesh` and returns plain,
     whole tensors; it still takes and returns exactly what it did, so `PipelineStage` sends plain tensors. The
-    modules named in `heads` (`vocab_head`s) return their logits split by vocabulary (`_head_linear`), and a stage
-    holding one returns them so inside a `ShardedLogits` session (sharded logits, `sharded_logits.handed_on`; its
-    other outputs whole): the runtime passes their local shard through `PipelineStage` (`StageLogits`)."""
+    modules named in `heads` (`vocab_head`s) return their logits split by vocabulary (`traced_linear.head_linear`),
+    and a stage holding one returns them so inside a `ShardedLogits` session (sharded logits,
+    `sharded_logits.handed_on`; its other outputs whole): the runtime passes their local shard through
+    `PipelineStage` (`StageLogits`)."""
     if getattr(stage, _DONE, None) is mesh:
         return stage
     holds_head = any(name in heads for name, _ in stage.named_modules())
@@ -126,7 +130,9 @@ def _rewrite(graph: fx.Graph, mesh: DeviceMesh, *, root: bool, head: bool = Fals
     whole = handed_on if hands_on else _OnMesh(_whole, mesh)  # a head's stage: its logits leave split in a session
     for node in list(graph.nodes):
         if node.op == "call_function" and head and node.target is aten.linear.default:
-            node.target = _head_linear
+            node.target = head_linear
+        elif node.op == "call_function" and node.target is aten.linear.default:
+            node.target = planned_linear
         elif node.op == "call_function" and node.target in _REPLACED:
             node.target = _REPLACED[node.target]
         # What enters the graph from outside DTensor: the stage's inputs, tensors read by attribute (plain
@@ -239,15 +245,6 @@ def _embedding(weight: Any, indices: Any, padding_idx: int = -1, *rest: Any) -> 
         return aten.embedding.default(weight, indices, padding_idx, *rest)
     out = lookup_own_rows(weight, indices, padding_idx if padding_idx >= 0 else None)
     return out.redistribute(weight.device_mesh, [Replicate()])
-
-
-def _head_linear(input: Any, weight: Any, bias: Any = None) -> Any:
-    """A `vocab_head`'s `aten.linear` takes its input whole, as its style does outside a trace, so its logits come out
-    split by vocabulary: left to itself DTensor may move the weight instead (partial sums arriving from a traced
-    Llama's last norm made it gather the head's weight and return partial sums: whole-sized logits on every rank)."""
-    if isinstance(input, DTensor) and _sharded(weight):
-        input = input.redistribute(input.device_mesh, [Replicate()])
-    return aten.linear.default(input, weight, bias)
 
 
 def _cross_entropy(
