@@ -37,6 +37,18 @@ def llama() -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
+def one_layer_llama() -> torch.nn.Module:
+    """The cheapest Llama to trace with every part (grouped-query attention, RoPE, RMSNorm, the head): one layer, 16
+    wide, 8 positions; no dimension of its weights is 6, so a 6-token activation's shape is never a weight's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=8, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
 def vit() -> torch.nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 

@@ -166,10 +166,9 @@ def test_planned_weights_gradients_in_a_traced_llama_at_tp2_are_shards_never_who
     """A traced Llama at pp2 x tp2 in one process: every matmul in backward that makes a planned weight's gradient
     makes this rank's shard (a Partial or Replicate of a weight's whole shape was 2 x a Llama-3-70B tp8 MLP weight
     per rank), each gradient is placed like its weight, and each is one device's."""
-    from hf_modules import VOCAB, padded
+    from hf_modules import VOCAB, one_layer_llama, padded
     from torch.distributed.tensor import DTensor, Shard
     from torch.utils._python_dispatch import TorchDispatchMode
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from lightning_parallel.one_process_ranks import simulated_ranks
     from lightning_parallel.pipeline.call import network_call
@@ -194,15 +193,8 @@ def test_planned_weights_gradients_in_a_traced_llama_at_tp2_are_shards_never_who
                 self.made.append((tuple(out.shape), out.placements))
             return out
 
-    def llama() -> torch.nn.Module:  # 6 tokens: no weight's dimension, so a weight's shape is never an activation's
-        config = LlamaConfig(
-            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=8, bos_token_id=0, eos_token_id=0,
-        )  # fmt: skip
-        return LlamaForCausalLM(config)
-
     torch.manual_seed(0)
-    one = llama()
+    one = one_layer_llama()
     ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
     call, inputs = network_call(one, (), {"input_ids": ids, "labels": padded(ids)})
     one(input_ids=ids, labels=padded(ids), use_cache=False).loss.backward()
@@ -211,7 +203,7 @@ def test_planned_weights_gradients_in_a_traced_llama_at_tp2_are_shards_never_who
     traced.stage_modules(split, [0, 1], inputs, one)  # traced out here: torch.export does not run in the simulation
     with simulated_ranks(2):
         mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        network = llama()
+        network = one_layer_llama()
         network.load_state_dict(one.state_dict())
         for name, module in network.named_modules():
             for style in [style for pattern, style in plan.items() if name and matches(pattern, name)][:1]:

@@ -218,9 +218,8 @@ def test_a_traced_last_stage_hands_its_logits_on_split_by_vocabulary() -> None:
     the embedding's gradients (its own rows only) are one device's; another pipeline rank rebuilds the whole batch's
     shard (evaluation) with its rows. Outside a session they leave whole."""
     pytest.importorskip("transformers")
-    from hf_modules import VOCAB, padded
+    from hf_modules import VOCAB, one_layer_llama, padded
     from torch.distributed.tensor import DTensor, Shard
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from lightning_parallel.pipeline.call import network_call
     from lightning_parallel.pipeline.traced import TracedNetwork
@@ -236,15 +235,8 @@ def test_a_traced_last_stage_hands_its_logits_on_split_by_vocabulary() -> None:
     )
     from lightning_parallel.tensor.traced_stages import distribute_planned, stages_on_mesh
 
-    def llama() -> nn.Module:  # one layer of grouped-query attention: the cheapest trace that has every part
-        config = LlamaConfig(
-            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=8, bos_token_id=0, eos_token_id=0,
-        )  # fmt: skip
-        return LlamaForCausalLM(config)
-
     torch.manual_seed(0)
-    one = llama()
+    one = one_layer_llama()
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
     call, inputs = network_call(one, (), {"input_ids": ids, "labels": padded(ids)})
     expected = one(input_ids=ids, labels=padded(ids), use_cache=False)
@@ -253,7 +245,7 @@ def test_a_traced_last_stage_hands_its_logits_on_split_by_vocabulary() -> None:
     split = [traced.blocks[:3], traced.blocks[3:]]  # the norm and lm_head on stage 1
     traced.stage_modules(split, [0, 1], inputs, one)  # traced out here: torch.export does not run in the simulation
     with simulated(2) as mesh:
-        network = llama()
+        network = one_layer_llama()
         network.load_state_dict(one.state_dict())
         for name, module in network.named_modules():
             for style in [style for pattern, style in plan.items() if name and matches(pattern, name)][:1]:
