@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 aten = torch.ops.aten
 
 
-def _sharded(tensor: Any) -> bool:
+def sharded(tensor: Any) -> bool:
+    """Whether `tensor` is a DTensor split along some dimension (a planned layer's weight)."""
     return isinstance(tensor, DTensor) and any(isinstance(p, Shard) for p in tensor.placements)
 
 
@@ -21,7 +22,7 @@ def head_linear(input: Any, weight: Any, bias: Any = None) -> Any:
     """A `vocab_head`'s `aten.linear` takes its input whole, as its style does outside a trace, so its logits come out
     split by vocabulary: left to itself DTensor may move the weight instead (partial sums arriving from a traced
     Llama's last norm made it gather the head's weight and return partial sums: whole-sized logits on every rank)."""
-    if isinstance(input, DTensor) and _sharded(weight):
+    if isinstance(input, DTensor) and sharded(weight):
         input = input.redistribute(input.device_mesh, [Replicate()])
     return aten.linear.default(input, weight, bias)
 
@@ -32,7 +33,7 @@ def planned_linear(input: Any, weight: Any, bias: Any = None) -> Any:
     backward, as before). Left to itself DTensor carries partial sums through a residual add and an RMSNorm's scaling
     into the next layer and multiplies a whole input into a row-parallel weight's gradient, so backward made weight
     gradients whole-sized on every rank (2 x a Llama-3-70B tp8 MLP weight, 896 MiB each); here each is a shard."""
-    if not _sharded(weight) or not isinstance(input, DTensor):
+    if not sharded(weight) or not isinstance(input, DTensor):
         return aten.linear.default(input, weight, bias)
     input = _summed(input)
     if weight.placements == (Shard(1),) and input.placements == (Replicate(),):  # rowwise: split by in-features

@@ -43,7 +43,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_parallel.tensor.sharded_logits import current_session, handed_on
 from lightning_parallel.tensor.styles import STYLE_TRAITS
-from lightning_parallel.tensor.traced_linear import head_linear, planned_linear
+from lightning_parallel.tensor.traced_linear import head_linear, planned_linear, sharded
 from lightning_parallel.tensor.vocab_embedding import lookup_own_rows
 from lightning_parallel.tensor.vocab_loss import cross_entropy_on_shards, sharded_class_dim
 
@@ -181,17 +181,13 @@ def _mesh_of(*values: Any) -> DeviceMesh | None:
     return next((v.device_mesh for v in pytree.tree_leaves(values) if isinstance(v, DTensor)), None)
 
 
-def _sharded(tensor: Any) -> bool:
-    return isinstance(tensor, DTensor) and any(isinstance(p, Shard) for p in tensor.placements)
-
-
 def _local(tensor: Any) -> Any:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _conv2d(x: Any, weight: Any, bias: Any = None, *rest: Any) -> Any:
     """`aten.conv2d` with channel-sharded weights on local shards (as `conv.py`'s styles); otherwise DTensor's."""
-    if not _sharded(weight):
+    if not sharded(weight):
         return aten.conv2d.default(x, weight, bias, *rest)
     mesh = weight.device_mesh
     if weight.placements[0] == Shard(0):  # conv_colwise: whole input, this rank's output channels
@@ -208,7 +204,7 @@ def _conv2d(x: Any, weight: Any, bias: Any = None, *rest: Any) -> Any:
 def _batch_norm(x: Any, weight: Any, bias: Any, mean: Any, var: Any, *rest: Any) -> Any:
     """`aten.batch_norm` with channel-sharded parameters and statistics on local shards (statistics are per
     channel: no communication; running statistics update in place on this rank's shard)."""
-    if not (_sharded(weight) or _sharded(mean)):
+    if not (sharded(weight) or sharded(mean)):
         mesh = _mesh_of(x, weight, mean)
         if mesh is None:
             return aten.batch_norm.default(x, weight, bias, mean, var, *rest)
@@ -241,7 +237,7 @@ def _embedding(weight: Any, indices: Any, padding_idx: int = -1, *rest: Any) -> 
     (`vocab_embedding.lookup_own_rows`: the gradient stays the rank's rows), the partial lookups summed at once.
     DTensor's own rule leaves a masked partial that an op after it (a dtype cast) cannot sum, and whose backward it
     cannot build."""
-    if not (_sharded(weight) and weight.placements[0] == Shard(0)) or any(rest):  # rest: scale_grad_by_freq, sparse
+    if not (sharded(weight) and weight.placements[0] == Shard(0)) or any(rest):  # rest: scale_grad_by_freq, sparse
         return aten.embedding.default(weight, indices, padding_idx, *rest)
     out = lookup_own_rows(weight, indices, padding_idx if padding_idx >= 0 else None)
     return out.redistribute(weight.device_mesh, [Replicate()])
