@@ -3,8 +3,8 @@ networks have their own forward (a residual CNN; Hugging Face GPT-2 called posit
 whose embedding is tied to its head across the stages, under its own plan) train at pp2 x tp2 (and a CNN at
 dp2 x pp2 x tp2) exactly as one process does: losses and final weights within 1e-5. In one process: how a parameter
 tied across stages is sharded (alike on every holder, or whole with the reason), dropout after a row-parallel
-layer (its partial sums reduced first, one mask on every rank), and a traced Llama's weight gradients (shards, never
-whole-sized)."""
+layer (its partial sums reduced first, one mask on every rank), and a traced Llama's and GPT-2's weight gradients
+(shards, never whole-sized)."""
 
 from __future__ import annotations
 
@@ -139,8 +139,9 @@ def test_a_parameter_tied_across_traced_stages_is_sharded_alike_or_kept_whole_wi
 
 
 def test_dropout_after_a_row_parallel_layer_in_a_traced_stage_drops_the_reduced_sum() -> None:
-    """A row-parallel layer's output is a Partial DTensor in traced stages; dropout on it (GPT-2's `resid_dropout`)
-    had no DTensor rule (`aten.bernoulli_` on a Partial): the sum is reduced first, then dropped alike on every rank.
+    """A row-parallel layer's output was a Partial DTensor in traced stages (a planned one's is now summed in the
+    layer); dropout on partial sums (GPT-2's `resid_dropout`) has no DTensor rule (`aten.bernoulli_` on a Partial):
+    the sum is reduced first, then dropped alike on every rank.
     On 4 processes, GPT-2 with dropout 0.1 at pp2 x tp2 gave pp2's losses exactly (4.16580, 4.14928)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
@@ -162,19 +163,21 @@ def test_dropout_after_a_row_parallel_layer_in_a_traced_stage_drops_the_reduced_
             assert set(first.unique().tolist()) == {0.0, 6.0}  # the sum 3, kept at 3 / (1 - 0.5), or dropped
 
 
-def test_planned_weights_gradients_in_a_traced_llama_at_tp2_are_shards_never_whole() -> None:
-    """A traced Llama at pp2 x tp2 in one process: every matmul in backward that makes a planned weight's gradient
-    makes this rank's shard (a Partial or Replicate of a weight's whole shape was 2 x a Llama-3-70B tp8 MLP weight
-    per rank), each gradient is placed like its weight, and each is one device's."""
-    from hf_modules import VOCAB, one_layer_llama, padded
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_planned_weights_gradients_in_traced_stages_at_tp2_are_shards_never_whole(family: str) -> None:
+    """A traced Llama (planned `aten.linear`s) and GPT-2 (transformers' `Conv1D`: `aten.addmm` on a weight stored
+    (in, out), its q | k | v an interleaved shard) at pp2 x tp2 in one process, each under its own plan: every matmul
+    in backward that makes a planned weight's gradient makes this rank's shard (a Partial or Replicate of a weight's
+    whole shape was 2 x a Llama-3-70B tp8 MLP weight per rank; GPT-2's c_attn and attention c_proj were whole), each
+    gradient is placed like its weight, and each is one device's."""
+    from hf_modules import VOCAB, gpt2, one_layer_llama, padded
     from torch.distributed.tensor import DTensor, Shard
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from lightning_parallel.one_process_ranks import simulated_ranks
+    from lightning_parallel.parallelize.plan import resolve_stage_plan
     from lightning_parallel.pipeline.call import network_call
     from lightning_parallel.pipeline.traced import TracedNetwork
-    from lightning_parallel.tensor.hf_plans import transformers_plan
-    from lightning_parallel.tensor.plans import matches
     from lightning_parallel.tensor.sharded_logits import ShardedLogits
     from lightning_parallel.tensor.traced_stages import distribute_planned, stages_on_mesh
 
@@ -193,32 +196,35 @@ def test_planned_weights_gradients_in_a_traced_llama_at_tp2_are_shards_never_who
                 self.made.append((tuple(out.shape), out.placements))
             return out
 
+    # planned weights (Llama: q k v o, gate up down, the head, the embedding; GPT-2: c_attn c_proj c_fc c_proj) and
+    # the matmuls in backward at least (2 per planned linear or Conv1D)
+    build, weights, matmuls = {"llama": (one_layer_llama, 9, 14), "gpt2": (lambda: gpt2(layers=1), 4, 8)}[family]
     torch.manual_seed(0)
-    one = one_layer_llama()
+    one = build()
     ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
     call, inputs = network_call(one, (), {"input_ids": ids, "labels": padded(ids)})
     one(input_ids=ids, labels=padded(ids), use_cache=False).loss.backward()
-    traced, plan = TracedNetwork(one, inputs, call), transformers_plan(one) or {}
+    traced, (_, plan, _) = TracedNetwork(one, inputs, call), resolve_stage_plan(one, None, 2)
     split = [traced.blocks[:3], traced.blocks[3:]]
     traced.stage_modules(split, [0, 1], inputs, one)  # traced out here: torch.export does not run in the simulation
     with simulated_ranks(2):
         mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        network = one_layer_llama()
+        network = build()
         network.load_state_dict(one.state_dict())
-        for name, module in network.named_modules():
-            for style in [style for pattern, style in plan.items() if name and matches(pattern, name)][:1]:
-                distribute_planned(module, style, mesh)
-        stages, _ = stages_on_mesh(traced.stage_modules(split, [0, 1], inputs, network), None, mesh, ["lm_head"])
+        for name, style in plan.items():
+            distribute_planned(network.get_submodule(name), style, mesh)
+        heads = [name for name, style in plan.items() if style == "vocab_head"]
+        stages, _ = stages_on_mesh(traced.stage_modules(split, [0, 1], inputs, network), None, mesh, heads)
         with ShardedLogits():
             loss = stages[1](*stages[0](*inputs))[0]
             with Matmuls() as backward:
                 loss.backward()
         planned = {n: p for n, p in network.named_parameters() if isinstance(p, DTensor) and p.dim() == 2}
-        assert len(planned) == 9, sorted(planned)  # q k v o, gate up down, the head, the embedding
+        assert len(planned) == weights, sorted(planned)
         whole = {shape for p in planned.values() for shape in (tuple(p.shape), tuple(p.shape)[::-1])}
-        shards = ((Shard(0),), (Shard(1),))
+        shards = {p.placements for p in planned.values()} | {(Shard(0),), (Shard(1),)}
         made_whole = [(shape, placed) for shape, placed in backward.made if shape in whole and placed not in shards]
-        assert len(backward.made) >= 14 and not made_whole, made_whole  # 2 matmuls per planned linear
+        assert len(backward.made) >= matmuls and not made_whole, made_whole
         for name, parameter in planned.items():
             grad = parameter.grad
             assert isinstance(grad, DTensor) and grad.placements == parameter.placements, (name, grad)

@@ -1,6 +1,7 @@
-"""The `aten.linear` of a planned layer inside a traced stage (`traced_stages.py`), as its style runs outside a
-trace: a `vocab_head` takes its input whole; other planned layers take and leave no partial sums, a row-parallel one
-its input split, so each weight's gradient is a shard like the weight. Unplanned linears go to DTensor as they are.
+"""The matmul of a planned layer inside a traced stage (`traced_stages.py`): a Linear's `aten.linear`, a transformers
+`Conv1D`'s `aten.addmm` (GPT-2's projections), as its style runs outside a trace: a `vocab_head` takes its input whole;
+other planned layers take and leave no partial sums, a row-parallel one its input split, and their output's gradient
+arrives placed like the output, so each weight's gradient is a shard like the weight. Unplanned ones go to DTensor.
 """
 
 from __future__ import annotations
@@ -8,14 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 aten = torch.ops.aten
 
 
 def sharded(tensor: Any) -> bool:
-    """Whether `tensor` is a DTensor split along some dimension (a planned layer's weight)."""
-    return isinstance(tensor, DTensor) and any(isinstance(p, Shard) for p in tensor.placements)
+    """Whether `tensor` is a DTensor split along some dimension (a planned layer's weight), an interleaved q | k | v
+    shard too (torch 2.13's `_StridedShard` is no `Shard`)."""
+    return isinstance(tensor, DTensor) and any(isinstance(p, Shard | _StridedShard) for p in tensor.placements)
 
 
 def head_linear(input: Any, weight: Any, bias: Any = None) -> Any:
@@ -35,18 +38,45 @@ def planned_linear(input: Any, weight: Any, bias: Any = None) -> Any:
     gradients whole-sized on every rank (2 x a Llama-3-70B tp8 MLP weight, 896 MiB each); here each is a shard."""
     if not sharded(weight) or not isinstance(input, DTensor):
         return aten.linear.default(input, weight, bias)
-    input = _summed(input)
-    if weight.placements == (Shard(1),) and input.placements == (Replicate(),):  # rowwise: split by in-features
+    return _settled(aten.linear.default(_layer_input(input, weight, Shard(1)), weight, bias))
+
+
+def planned_addmm(bias: Any, input: Any, weight: Any, *, beta: Any = 1, alpha: Any = 1) -> Any:
+    """`aten.addmm(bias, input, weight)` with a sharded `weight` (stored (in, out): a transformers `Conv1D`, GPT-2's
+    projections) as `planned_linear`, its row-parallel weight Shard(0). Left to DTensor, a row-parallel `c_proj` took
+    the attention's whole output into its weight's gradient, and a `c_attn` whose q | k | v are split apart (gathered)
+    got its output's gradient whole: both weight gradients were whole-sized on every rank; here each is a shard."""
+    if not sharded(weight) or not isinstance(input, DTensor):
+        return aten.addmm.default(bias, input, weight, beta=beta, alpha=alpha)
+    out = aten.addmm.default(bias, _layer_input(input, weight, Shard(0)), weight, beta=beta, alpha=alpha)
+    return _settled(out)
+
+
+def _layer_input(input: DTensor, weight: DTensor, rowwise: Placement) -> DTensor:
+    """A planned layer's input: its partial sums summed, and split by features when the weight is `rowwise` (split
+    along its input features) and the input whole."""
+    input = summed(input)
+    if weight.placements == (rowwise,) and input.placements == (Replicate(),):
         input = input.redistribute(input.device_mesh, [Shard(input.ndim - 1)])
-    return _summed(aten.linear.default(input, weight, bias))
+    return input
 
 
-def _summed(value: Any) -> Any:
+def summed(value: Any) -> Any:
     """A DTensor's partial sums summed (Partial -> Replicate), its gradient too: Redistribute's backward hands a
-    Partial gradient on Partial, which the matmul making `value` would turn into a whole-sized weight gradient."""
+    Partial gradient on Partial, which the matmul making `value` would turn into a whole-sized weight gradient. Other
+    values as they are. A planned layer's input's reduction."""
     if not (isinstance(value, DTensor) and any(p.is_partial() for p in value.placements)):
         return value
-    mesh, summed = value.device_mesh, [Replicate() if p.is_partial() else p for p in value.placements]
-    local = value.to_local(grad_placements=summed)  # each rank's part: its gradient is the sum's, whole
-    parts = DTensor.from_local(local, mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
-    return parts.redistribute(mesh, summed)  # from_local's backward sums a Partial gradient (torch >= 2.13)
+    return _settled(value)
+
+
+def _settled(value: DTensor) -> DTensor:
+    """A planned layer's output: partial sums summed and its gradient placed like the result (a Replicate's summed,
+    a shard's a shard): left to DTensor it arrives as the consumers made it (a Replicate after GPT-2's split of q | k |
+    v gathered them), which the matmul making `value` turns into a whole-sized weight gradient."""
+    mesh, placements = value.device_mesh, tuple(Replicate() if p.is_partial() else p for p in value.placements)
+    if placements != value.placements:
+        value = value.redistribute(mesh, placements)  # backward: keeps a Replicate gradient Replicate
+    # an identity whose backward places the gradient as `placements` (from_local's backward redistributes it so)
+    local = value.to_local()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=value.shape, stride=value.stride())

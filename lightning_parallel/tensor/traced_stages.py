@@ -15,12 +15,12 @@ would, and inserts the collectives (all-reduce of a rowwise layer's partial sums
 crosses a sharded dimension). Parity is exact up to summation order; ops DTensor cannot shard correctly are
 replaced: Conv2d and BatchNorm with channel-sharded parameters run on local shards (DTensor shards convolutions
 spatially only), scaled-dot-product attention runs whole on every rank (torch 2.13 has no CPU backward rule),
-dropout reduces a row-parallel layer's partial sums before it draws; a planned linear takes and leaves no partial
-sums, a row-parallel one its input split (so weight gradients are shards, `traced_linear.py`); a `vocab_head` takes
-its input whole, a cross-entropy on its logits runs on their vocabulary shards in a step's `ShardedLogits` session
-(`vocab_loss.py`), and in a session the stage holding it returns them split by vocabulary
-(`sharded_logits.handed_on`), for the loss after it; a vocabulary-sharded embedding looks up each rank's own rows
-(`vocab_embedding.lookup_own_rows`).
+dropout reduces partial sums before it draws; a planned linear (`aten.linear`) or transformers `Conv1D` (`aten.addmm`)
+takes and leaves no partial sums, a row-parallel one its input split (so weight gradients are shards,
+`traced_linear.py`); a `vocab_head` takes its input whole, a cross-entropy on its logits runs on their vocabulary
+shards in a step's `ShardedLogits` session (`vocab_loss.py`), and in a session the stage holding it returns them
+split by vocabulary (`sharded_logits.handed_on`), for the loss after it; a vocabulary-sharded embedding looks up each
+rank's own rows (`vocab_embedding.lookup_own_rows`).
 
 Cost, honestly: every op goes through DTensor's eager dispatch (slower per op than plain tensors, like tp=1
 DTensors on GPU), a layer whose output is split or viewed across its sharded dimension (a fused q|k|v projection)
@@ -43,7 +43,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_parallel.tensor.sharded_logits import current_session, handed_on
 from lightning_parallel.tensor.styles import STYLE_TRAITS
-from lightning_parallel.tensor.traced_linear import head_linear, planned_linear, sharded
+from lightning_parallel.tensor.traced_linear import head_linear, planned_addmm, planned_linear, sharded
 from lightning_parallel.tensor.vocab_embedding import lookup_own_rows
 from lightning_parallel.tensor.vocab_loss import cross_entropy_on_shards, sharded_class_dim
 
@@ -284,6 +284,7 @@ _REPLACED: dict[Any, Callable[..., Any]] = {
     aten.batch_norm.default: _batch_norm,
     aten.scaled_dot_product_attention.default: _attention_whole,
     aten.embedding.default: _embedding,
+    aten.addmm.default: planned_addmm,
     aten._assert_tensor_metadata.default: _assert_local_metadata,
     aten.cross_entropy_loss.default: _cross_entropy,
     aten.dropout.default: _reduced_first(aten.dropout.default),
