@@ -141,7 +141,8 @@ def test_a_parameter_tied_across_traced_stages_is_sharded_alike_or_kept_whole_wi
 def test_dropout_after_a_row_parallel_layer_in_a_traced_stage_drops_the_reduced_sum() -> None:
     """A row-parallel layer's output was a Partial DTensor in traced stages (a planned one's is now summed in the
     layer); dropout on partial sums (GPT-2's `resid_dropout`) has no DTensor rule (`aten.bernoulli_` on a Partial):
-    the sum is reduced first, then dropped alike on every rank.
+    the sum is reduced first, then dropped alike on every rank, and a partial gradient is summed on its way back (as
+    a planned layer's input: the matmul making the sum would build a whole-sized weight gradient from it).
     On 4 processes, GPT-2 with dropout 0.1 at pp2 x tp2 gave pp2's losses exactly (4.16580, 4.14928)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
@@ -152,7 +153,7 @@ def test_dropout_after_a_row_parallel_layer_in_a_traced_stage_drops_the_reduced_
     with simulated_ranks(2) as mode:
         mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         parts = mode.rank_map(lambda rank: torch.full((64, 8), 1.0 + rank))  # each rank's partial sum: 1 and 2
-        x = DTensor.from_local(parts, mesh, [Partial()], run_check=False)
+        x = DTensor.from_local(parts, mesh, [Partial()], run_check=False).detach().requires_grad_()
         dropped = _REPLACED[aten.dropout.default](x, 0.5, True)
         out, mask = _REPLACED[aten.native_dropout.default](x, 0.5, True)
         assert dropped.placements == out.placements == (Replicate(),)
@@ -161,6 +162,8 @@ def test_dropout_after_a_row_parallel_layer_in_a_traced_stage_drops_the_reduced_
             first, *others = ranks
             assert all(torch.equal(first, other) for other in others)  # one mask on every rank
             assert set(first.unique().tolist()) == {0.0, 6.0}  # the sum 3, kept at 3 / (1 - 0.5), or dropped
+        dropped.backward(DTensor.from_local(torch.ones(64, 8), mesh, [Partial()], run_check=False))
+        assert x.grad is not None and x.grad.placements == (Replicate(),), x.grad  # summed: Partial without
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

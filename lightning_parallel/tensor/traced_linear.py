@@ -64,7 +64,7 @@ def _layer_input(input: DTensor, weight: DTensor, rowwise: Placement) -> DTensor
 def summed(value: Any) -> Any:
     """A DTensor's partial sums summed (Partial -> Replicate), its gradient too: Redistribute's backward hands a
     Partial gradient on Partial, which the matmul making `value` would turn into a whole-sized weight gradient. Other
-    values as they are. A planned layer's input's reduction."""
+    values as they are. The one reduction of partial sums in traced stages (a planned layer's input, dropout's)."""
     if not (isinstance(value, DTensor) and any(p.is_partial() for p in value.placements)):
         return value
     return _settled(value)

@@ -43,7 +43,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_parallel.tensor.sharded_logits import current_session, handed_on
 from lightning_parallel.tensor.styles import STYLE_TRAITS
-from lightning_parallel.tensor.traced_linear import head_linear, planned_addmm, planned_linear, sharded
+from lightning_parallel.tensor.traced_linear import head_linear, planned_addmm, planned_linear, sharded, summed
 from lightning_parallel.tensor.vocab_embedding import lookup_own_rows
 from lightning_parallel.tensor.vocab_loss import cross_entropy_on_shards, sharded_class_dim
 
@@ -260,15 +260,14 @@ def _cross_entropy(
 
 
 def _reduced_first(op: Callable[..., Any]) -> Callable[..., Any]:
-    """`op` (dropout) on its input with partial sums reduced first: a row-parallel layer's output stays Partial until
-    an op needs it whole, DTensor has no rule that draws a mask over partial sums (`aten.bernoulli_` on a Partial),
-    and dropping parts of a sum is not dropping the sum. Replicate and Shard inputs go to DTensor's rule as they are
-    (on the CPU each rank draws from its own generator, seeded alike: tensor-parallel peers draw the same masks)."""
+    """`op` (dropout) on its input with partial sums reduced first, by the one reduction a planned layer's input gets
+    too (`traced_linear.summed`, its gradient summed): DTensor has no rule that draws a mask over partial sums
+    (`aten.bernoulli_` on a Partial), and dropping parts of a sum is not dropping the sum. Replicate and Shard inputs
+    go to DTensor's rule as they are (on the CPU each rank draws from its own generator, seeded alike:
+    tensor-parallel peers draw the same masks)."""
 
     def reduced_first(x: Any, *rest: Any) -> Any:
-        if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements):
-            x = x.redistribute(x.device_mesh, [Replicate() if p.is_partial() else p for p in x.placements])
-        return op(x, *rest)
+        return op(summed(x), *rest)
 
     reduced_first.__name__ = f"reduced_first_{op.__name__.replace('.', '_')}"  # fx code generation needs a name
     return reduced_first
