@@ -17,7 +17,7 @@ from lightning_parallel.dryrun.report import DryRun, RoleRow, device_limit
 from lightning_parallel.dryrun.role import Role, built_by_configure_model, measure_role, stage_boundaries
 from lightning_parallel.dryrun.step import optimizer_of
 from lightning_parallel.pipeline.partition import Partition
-from lightning_parallel.pipeline.rebind import constants_unread
+from lightning_parallel.pipeline.traced_constants import constants_unread
 from lightning_parallel.pipeline.traced_sharing import sharing_traces
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy

@@ -1,18 +1,18 @@
 """Traced stages bound to a rank's real network: a meta-device copy to trace (never the real weights), and each
 traced stage's parameter and buffer slots pointed at the real network's tensors under any of their names (tied
-weights have several); tensors the forward creates from Python values given the values a meta trace drops. No
-tracing here (`traced.py`), no graph surgery (`chain.py`).
+weights have several). No tracing here (`traced.py`), no graph surgery (`chain.py`), no trace's own constants
+(`traced_constants.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
-from contextvars import ContextVar
 
 import torch
 from torch import nn
+
+from lightning_parallel.pipeline.traced_constants import is_constant
 
 
 def meta_copy(network: nn.Module) -> nn.Module:
@@ -33,52 +33,6 @@ def shared_copy(network: nn.Module) -> nn.Module:
     needs real values; torch wraps forwards of the copy, not of `network`."""
     memo: dict[int, object] = {id(t): t for t in [*network.parameters(), *network.buffers()]}
     return copy.deepcopy(network, memo)
-
-
-_CONSTANTS = ("lifted_tensor_", "_tensor_constant")  # torch.export's names for tensors a forward creates
-
-
-_UNREAD: ContextVar[bool] = ContextVar("lightning_parallel_constants_unread", default=False)
-
-
-@contextlib.contextmanager
-def constants_unread() -> Iterator[None]:
-    """Inside, the values of tensors a forward creates from Python values are never read (the dry run computes on
-    fake tensors), so a network traced on the meta device takes zeros of their shapes for them (`placeholders`)
-    instead of being refused for want of them."""
-    token = _UNREAD.set(True)
-    try:
-        yield
-    finally:
-        _UNREAD.reset(token)
-
-
-def placeholders(found: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    """Zeros in the shapes and dtypes of a meta trace's constants inside `constants_unread()`; None outside."""
-    if not _UNREAD.get():
-        return None
-    return {name: torch.zeros(t.shape, dtype=t.dtype, device="cpu") for name, t in found.items()}
-
-
-def traced_constants(stage: nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors a trace made constants of (a ``torch.tensor(x)`` or list index inside forward), by their name in
-    the traced module: values of the trace, not of the network, so on the meta device when it traced a meta copy."""
-    return {name: t for name, t in stage.named_buffers() if name.rpartition(".")[2].startswith(_CONSTANTS)}
-
-
-def fill_constants(stage: nn.Module, values: dict[str, torch.Tensor], device: torch.device, label: str) -> None:
-    """Give a stage traced on the meta device the real values of its constants (`values`: from a trace of the real
-    network, by the same names), on `device`."""
-    for name, meta in traced_constants(stage).items():
-        real = values.get(name)
-        if real is None or real.shape != meta.shape or real.dtype != meta.dtype:
-            raise ValueError(
-                f"{label}: the tensor {name!r} its forward creates from Python values has no value known for a "
-                f"{tuple(meta.shape)} {meta.dtype} tensor here (this micro-batch shape or mode creates other ones). "
-                "HINT: create it in __init__ as a registered buffer instead, or train in one shape and mode"
-            )
-        owner, _, leaf = name.rpartition(".")
-        stage.get_submodule(owner)._buffers[leaf] = real.to(device)
 
 
 def _real_name(name: str) -> str:
@@ -107,8 +61,8 @@ def rebind(stage: nn.Module, network: nn.Module, label: str, aliases: dict[str, 
     ):
         for name, _ in list(named(remove_duplicate=False)):
             owner, _, leaf = name.rpartition(".")
-            if leaf.startswith(_CONSTANTS):
-                continue  # the trace's own (`fill_constants`), not the network's
+            if is_constant(leaf):
+                continue  # the trace's own (`traced_constants.fill_constants`), not the network's
             real = None
             for candidate in dict.fromkeys([_real_name(name), *aliases.get(_real_name(name), [])]):
                 with contextlib.suppress(AttributeError):

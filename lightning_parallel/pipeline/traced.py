@@ -3,7 +3,8 @@
 
 No process groups, schedules or Lightning here. ``chain.py`` turns torch's split into neighbour-only stages,
 ``traced_blocks.py`` finds the blocks and their costs, ``rebind.py`` binds traced stages to a rank's real, pruned
-network, ``trace_errors.py`` words what the tracer cannot follow as one line naming the user's source line.
+network, ``traced_constants.py`` gives them the tensors a forward creates from Python values, ``trace_errors.py``
+words what the tracer cannot follow as one line naming the user's source line.
 """
 
 from __future__ import annotations
@@ -23,18 +24,10 @@ from torch.utils import _pytree as pytree
 from lightning_parallel.pipeline.balance import split_explicit
 from lightning_parallel.pipeline.call import NetworkCall
 from lightning_parallel.pipeline.chain import rebuild_output, retarget_device, stage_flows, to_chain_stage
-from lightning_parallel.pipeline.rebind import (
-    canonical_names,
-    fill_constants,
-    meta_copy,
-    placeholders,
-    rebind,
-    shared_copy,
-    tensor_aliases,
-    traced_constants,
-)
+from lightning_parallel.pipeline.rebind import canonical_names, meta_copy, rebind, shared_copy, tensor_aliases
 from lightning_parallel.pipeline.trace_errors import check_boundary, explain_failure
 from lightning_parallel.pipeline.traced_blocks import find_blocks, flop_costs, outside_blocks, prune_children
+from lightning_parallel.pipeline.traced_constants import constant_values, fill_constants, traced_constants
 from lightning_parallel.pipeline.traced_sharing import offer, signature, template_for
 from lightning_parallel.seams import refuse_older_torch, transformer_masks_as_given
 
@@ -93,7 +86,11 @@ class TracedNetwork:
         self._cache: dict[tuple, list[nn.Module]] = {}
         modes = _modes(network)
         whole = self._trace(inputs, [], modes).get_stage_module(0)
-        self._constants = self._constant_values(network, inputs, modes, traced_constants(whole))
+
+        def real_trace() -> nn.Module:  # one more trace, of the real network, only if its constants need values
+            return self._trace(inputs, [], modes, source=network).get_stage_module(0)
+
+        self._constants = constant_values(network, traced_constants(whole), self._name, real_trace)
         self.blocks = find_blocks(whole)
         if not self.blocks:
             calls = [node.target for node in whole.graph.nodes if node.op == "call_module"]
@@ -212,26 +209,6 @@ class TracedNetwork:
                 "integer tensors between pipeline stages",
                 f"compute the loss in training_step from {self._name}'s output, so its integer inputs stay in stage 0",
             )
-
-    def _constant_values(
-        self, network: nn.Module, inputs: tuple[torch.Tensor, ...], modes: dict[str, bool], found: dict
-    ) -> dict[str, torch.Tensor]:
-        """The values of the tensors the forward creates from Python values (GPT-Neo's mask value, Falcon's list
-        index), which the meta trace keeps without them: from one more trace, of the real network (still whole,
-        storage shared, nothing computed: export runs on fake tensors). None without such tensors."""
-        if not any(t.is_meta for t in found.values()):
-            return dict(found)
-        if any(t.is_meta for t in [*network.parameters(), *network.buffers()]):
-            unread = placeholders(found)  # the dry run's: no value is ever read
-            if unread is not None:
-                return unread
-            raise ValueError(
-                f"pipeline tracing: {self._name}.forward creates tensors from Python values ({', '.join(found)}), "
-                "whose values a trace of a network on the meta device does not keep. HINT: build the model on the "
-                "CPU (not under trainer.init_module() or torch.device('meta'))"
-            )
-        real = self._trace(inputs, [], modes, source=network).get_stage_module(0)
-        return {name: t.detach().clone() for name, t in traced_constants(real).items()}
 
     def _trace(
         self,
