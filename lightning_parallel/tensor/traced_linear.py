@@ -1,7 +1,6 @@
-"""The matmul of a planned layer inside a traced stage (`traced_stages.py`): a Linear's `aten.linear`, a transformers
-`Conv1D`'s `aten.addmm` (GPT-2's projections), as its style runs outside a trace: a `vocab_head` takes its input whole;
-other planned layers take and leave no partial sums, a row-parallel one its input split, and their output's gradient
-arrives placed like the output, so each weight's gradient is a shard like the weight. Unplanned ones go to DTensor.
+"""A planned layer's matmul inside a traced stage (a Linear's `aten.linear`, a transformers `Conv1D`'s `aten.addmm`) as
+its style runs outside a trace: a `vocab_head` takes its input whole; others take and leave no partial sums, a
+row-parallel one its input split, their output's gradient placed like it: weight gradients are shards. Others: DTensor.
 """
 
 from __future__ import annotations
