@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_parallel.parameter_kinds import (
     groups_by_kind,
@@ -33,13 +34,15 @@ def mesh() -> Iterator[Any]:
 
 
 def parameters(mesh: Any, kinds: str) -> list[torch.nn.Parameter]:
-    """One parameter per letter: "p" plain, "s" sharded DTensor, "r" replicated DTensor; each with a gradient."""
+    """One parameter per letter: "p" plain, "s" sharded DTensor, "i" an interleaved shard (a packed q | k | v's
+    `_StridedShard`), "r" replicated DTensor; each with a gradient."""
     torch.manual_seed(0)
     made = []
     for letter in kinds:
         value = torch.randn(4, 3)
         if letter != "p":
-            value = distribute_tensor(value, mesh, [Shard(0) if letter == "s" else Replicate()])
+            placement = {"s": Shard(0), "i": _StridedShard(0, split_factor=2), "r": Replicate()}[letter]
+            value = distribute_tensor(value, mesh, [placement])
         param = torch.nn.Parameter(value)
         param.grad = torch.ones_like(param)
         made.append(param)
@@ -137,5 +140,7 @@ def test_every_optimizer_steps_shards_exactly_or_is_refused_in_one_line(mesh: An
     with pytest.raises(ValueError, match=f"torch.optim.{name} cannot update tensor-parallel") as error:
         refuse_unsteppable(getattr(torch.optim, name)(parameters(mesh, "psr"), lr=0.1))
     assert "\n" not in str(error.value) and "HINT: use Adam" in str(error.value)
+    with pytest.raises(ValueError, match=f"torch.optim.{name} cannot update"):  # only an interleaved shard
+        refuse_unsteppable(getattr(torch.optim, name)(parameters(mesh, "pir"), lr=0.1))
     refuse_unsteppable(getattr(torch.optim, name)(parameters(mesh, "pr"), lr=0.1))  # nothing sharded: it steps
     getattr(torch.optim, name)(parameters(mesh, "pr"), lr=0.1).step()
