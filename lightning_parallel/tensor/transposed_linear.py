@@ -14,7 +14,9 @@ from functools import partial
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+
+from lightning_parallel.tensor.row_output import OwnOutputRowwise
 
 __all__ = ["TRANSPOSED_STYLES", "Conv1D"]
 
@@ -54,8 +56,9 @@ class TransposedColwiseParallel(ColwiseParallel):
         )
 
 
-class TransposedRowwiseParallel(RowwiseParallel):
-    """Shard input features: the weight's dim 0; the bias replicated and added once; the output all-reduced."""
+class TransposedRowwiseParallel(OwnOutputRowwise):
+    """Shard input features: the weight's dim 0; the bias replicated and added once; the output all-reduced (no view,
+    `row_output.py`)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.desired_input_layouts = (Shard(-1),)  # as torch's style sets for nn.Linear: the input's features split
