@@ -3,8 +3,8 @@
 pp 8 and dp2 x pp2 x tp4 (16 ranks) of the zoo GPT, set up by the strategies' own order on simulated ranks
 (`simulated_ranks`), against one process: losses and every rank's final weights within 1e-5 (AdamW, padded text). The
 simulation has no FSDP2 (replicas here are the all-reduced kind) and no pipeline transport: the pipeline's stages are
-chained in one process (`simulated_stages.py`). Also: 'rowwise' outputs are no views and no copies, so a user's model
-that changes one in place (`out += residual`, Falcon's MLP) trains exactly.
+chained in one process (`simulated_stages.py`). Also: column- and row-parallel outputs are no views and no copies, so a
+user's model that changes one in place (`nn.ReLU(inplace=True)`, `out += residual`, Falcon's MLP) trains exactly.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import fake_world
 from simulated import (
     SEQ,
@@ -175,15 +174,15 @@ def test_pipeline_degrees_train_like_one_process(layout: str) -> None:
 
 
 class InPlaceResidual(nn.Module):
-    """A user's block: its own forward adds the residual to its row-parallel projection's output in place."""
+    """A user's block: its own forward changes its column- and row-parallel projections' outputs in place."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
-        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.up, self.act, self.down = nn.Linear(width, 2 * width), nn.ReLU(inplace=True), nn.Linear(2 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down(F.gelu(self.up(x)))
-        out += x  # autograd refuses this on torch's RowwiseParallel output (a view made inside a custom Function)
+        out = self.down(self.act(self.up(x)))
+        out += x  # autograd refuses both on torch's styles' outputs (views made inside a custom Function)
         return out.mul_(0.5)
 
 
@@ -201,8 +200,8 @@ class InPlaceLM(nn.Module):
         return self.head(self.blocks(self.embed(ids)))
 
 
-def test_a_users_model_changing_a_row_parallel_output_in_place_trains_like_one_process() -> None:
-    """tp2, 3 AdamW steps: a model whose forward adds to (and scales) a row-parallel output in place is exact."""
+def test_a_users_model_changing_column_and_row_parallel_outputs_in_place_trains_like_one_process() -> None:
+    """tp2, 3 AdamW steps: a model whose forward changes column- and row-parallel outputs in place is exact."""
     dims = ParallelDims(dp=1, pp=1, tp=2)
     data = batches()
     reference = train_one_process(InPlaceLM, data)
@@ -224,10 +223,10 @@ def clones(loss: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama", "falcon"])
-def test_row_parallel_outputs_are_no_views_and_no_copies(model: str) -> None:
-    """'rowwise' hands model code the all-reduced output as a tensor of its own (no view, so Falcon's `mlp_output +=
-    attention_output` runs) without copying it: a tp2 training step's backward graph holds as many copies as one
-    device's. One step's forward and backward on simulated ranks."""
+def test_column_and_row_parallel_outputs_are_no_views_and_no_copies(model: str) -> None:
+    """Column- and row-parallel layers hand model code their local output as a tensor of its own (no view, so Falcon's
+    `mlp_output += attention_output` runs) without copying it: a tp2 training step's backward graph holds as many
+    copies as one device's. One step's forward and backward on simulated ranks."""
     dims = ParallelDims(dp=1, pp=1, tp=2)
     ids, labels = batches()[0]
     torch.manual_seed(0)
@@ -236,7 +235,7 @@ def test_row_parallel_outputs_are_no_views_and_no_copies(model: str) -> None:
         torch.manual_seed(0)
         network = MODELS[model]()
         set_up = parallelize_tensor(network, network, settings(dims, dims.build_mesh("cpu")), configured=False)
-        rows = [name for name, style in set_up.plan[1].items() if style.startswith("rowwise")]
+        rows = [name for name, style in set_up.plan[1].items() if style.startswith("rowwise") or "colwise" in style]
         views: dict[str, bool] = {}
         for name in rows:
             network.get_submodule(name).register_forward_hook(

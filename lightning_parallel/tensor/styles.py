@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
     ParallelStyle,
     PrepareModuleOutput,
     SequenceParallel,
@@ -26,8 +25,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from lightning_parallel.tensor.conv import BatchNormParallel, ConvColwiseParallel, ConvRowwiseParallel
 from lightning_parallel.tensor.head_norm import HeadNorm
 from lightning_parallel.tensor.local_heads import LocalHeads, attribute_sizes
+from lightning_parallel.tensor.local_output import OwnOutputColwise, OwnOutputRowwise
 from lightning_parallel.tensor.packed import PackedColwiseParallel
-from lightning_parallel.tensor.row_output import OwnOutputRowwise
 from lightning_parallel.tensor.sharded_logits import VocabHead
 from lightning_parallel.tensor.transposed_linear import Conv1D
 from lightning_parallel.tensor.vocab_embedding import VocabParallelEmbedding
@@ -114,11 +113,11 @@ _SEQ = Shard(1)
 
 
 def _colwise(sp: bool) -> ParallelStyle:
-    return ColwiseParallel(input_layouts=_SEQ) if sp else ColwiseParallel()
+    # local outputs no views (`local_output.py`): model code may change them in place
+    return OwnOutputColwise(input_layouts=_SEQ) if sp else OwnOutputColwise()
 
 
 def _rowwise(sp: bool) -> ParallelStyle:
-    # its local output no view (`row_output.py`): model code may change it in place
     return OwnOutputRowwise(output_layouts=_SEQ, use_local_output=False) if sp else OwnOutputRowwise()
 
 
@@ -128,7 +127,7 @@ def _rowwise_from_channels(sp: bool) -> ParallelStyle:
 
 
 def _colwise_gather(sp: bool) -> ParallelStyle:
-    return ColwiseParallel(input_layouts=_SEQ if sp else Replicate(), output_layouts=Replicate())
+    return OwnOutputColwise(input_layouts=_SEQ if sp else Replicate(), output_layouts=Replicate())
 
 
 def _vocab_head(sp: bool) -> ParallelStyle:
@@ -179,7 +178,8 @@ _ALL_REDUCE_INPUT = (("all_reduce", "input"),)  # backward: the replicated input
 _ALL_REDUCE_OUTPUT = (("all_reduce", "output"),)  # forward: partial outputs are summed
 _TABLE = (
     StyleTraits(
-        "colwise", "Linear/Embedding/Conv1D: shard output features; input replicated", _colwise,
+        "colwise", "Linear/Embedding/Conv1D: shard output features; input replicated (model code may change the output "
+        "in place)", _colwise,
         shardings=(_OUT, _EMBEDDING_WIDTH, _OUT_T), sharded_output=True, collectives=_ALL_REDUCE_INPUT,
         transformers=("colwise",),
     ),
