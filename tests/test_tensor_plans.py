@@ -78,14 +78,6 @@ def test_style_names_map_to_torch_and_conv_styles() -> None:
     assert from_channels.input_layouts == (Shard(1),) and from_channels.output_layouts == (Replicate(),)
 
 
-class FalconDecoderLayer(nn.Module):
-    """Named as transformers' Falcon layer, whose forward adds to its MLP's output in place (`in_place.py`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.mlp = nn.ModuleDict({"dense_h_to_4h": nn.Linear(4, 8), "dense_4h_to_h": nn.Linear(8, 4)})
-
-
 # ---- validation: one line naming module, size and tp ----------------------------------------------------------
 BAD_PLANS = {
     "pattern matches nothing": (tiny_gpt, {"block_*.attn.qkv": "colwise"}, 2, "pattern 'block_*.attn.qkv' matches no"),
@@ -119,12 +111,6 @@ BAD_PLANS = {
         {"1": "rowwise_from_channels"},
         4,
         "1 (Linear, rowwise_from_channels) has in_features 18",
-    ),
-    "added to in place": (
-        lambda: FalconDecoderLayer(),
-        {"mlp.dense_4h_to_h": "rowwise"},
-        2,
-        "mlp.dense_4h_to_h is 'rowwise', but FalconDecoderLayer adds to its output in place",
     ),
 }
 

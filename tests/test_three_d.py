@@ -119,22 +119,28 @@ def test_pipeline_by_tensor_with_clipping_accumulation_bf16_and_fsdp_replicas(tm
 def test_data_by_pipeline_by_tensor_on_eight_processes(tmp_path: Path) -> None:
     """SimpleCNN with fused AdamW and clipping (CUDA's optimizer kernels; SimpleCNN's head stays plain beside
     sharded layers), the GPT with SGD, and with AdamW under FSDP2 replicas, its loss on the logits' vocabulary
-    shards."""
+    shards, then validated (val/loss and val/ppl one device's)."""
     runs = [("gpt", "1f1b"), ("gpt", "interleaved_1f1b"), ("simple_cnn", "1f1b")]
     configs = [config(model, schedule, 2) for model, schedule in runs]
-    configs[0] = {**configs[0], "optimizer": ADAMW}
+    configs[0] = {**configs[0], "optimizer": ADAMW, "val_batches": 2}
     configs[0]["strategy"] = {**configs[0]["strategy"], "replicas": "fsdp"}
     configs[2] = {**configs[2], "optimizer": FUSED_ADAMW, "trainer": {"gradient_clip_val": 0.5}}
     per_rank = run_workers("three_d", 8, configs, tmp_path, timeout=600)
+    task, losses, trainer = fit_model("auto", model="gpt", devices=1, global_batch=16, replicas=1, steps=STEPS,
+                                      optimizer=ADAMW, val_batches=2)  # fmt: skip
+    val = {key: float(value) for key, value in trainer.validate(task, trainer.datamodule, verbose=False)[0].items()}
     cnn = {"optimizer": FUSED_ADAMW, "gradient_clip_val": 0.5}
-    references = [reference("gpt", 16, optimizer=ADAMW), reference("gpt", 16), reference("simple_cnn", 16, **cnn)]
+    references = [(losses, local_state(task)), reference("gpt", 16), reference("simple_cnn", 16, **cnn)]
     for index, (model, schedule) in enumerate(runs):
         try:
             assert_matches(per_rank, index, references[index], dp=2)
         except AssertionError as error:
             raise AssertionError(f"{model} {schedule}: {error}") from error
-    for rank in per_rank:  # dp2 x pp2 x tp2 under FSDP2: the loss on the logits' shards, never gathered
+    for rank in per_rank:  # dp2 x pp2 x tp2 under FSDP2: the loss on the logits' shards, gathered only for the metric
         parallel = rank[0]["parallel"]
         assert parallel["replicas"] == "fsdp" and "vocab_parallel_loss_off" not in parallel, parallel
-        assert parallel["vocab_parallel_losses"] == STEPS * 4 and parallel["logits_gathered"] == 0, parallel
+        assert parallel["vocab_parallel_losses"] == STEPS * 4 + 2 and parallel["logits_gathered"] == 2, parallel
+        # validated: each replica's half of 2 batches, the logits split by vocabulary over its pp group: one device's
+        assert rank[0]["val"].keys() == val.keys() == {"val/loss", "val/ppl"}, rank[0]["val"]
+        assert all(abs(rank[0]["val"][key] - value) < 1e-5 * max(1.0, value) for key, value in val.items()), val
     assert per_rank[0][1]["parallel"]["stages_per_rank"] == 2

@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
+from lightning_parallel.tensor.local_output import own_local
 from lightning_parallel.tensor.transposed_linear import Conv1D
 
 __all__ = ["PackedColwiseParallel", "copy_back", "savable"]
@@ -61,7 +62,9 @@ class PackedColwiseParallel(ParallelStyle):
                 f"packed column-parallel {type(module).__name__}: DTensor gave the output placements "
                 f"{output.placements}, not {expected}. HINT: map the layer to 'colwise_gather' instead"
             )
-        return output.to_local()  # (..., pieces * out / pieces / tp): this rank's share of every block
+        return own_local(
+            output.to_local()
+        )  # (..., pieces * out / pieces / tp): this rank's share of every block, no view
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Linear | Conv1D):

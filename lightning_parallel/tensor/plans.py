@@ -17,7 +17,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils.hooks import RemovableHandle
 
-from lightning_parallel.tensor.in_place import OWN_OUTPUT, changed_in_place
 from lightning_parallel.tensor.styles import STYLE_TRAITS, Conv1D
 from lightning_parallel.tensor.torch_layers import refuse_sharded_attention
 from lightning_parallel.tensor.transposed_linear import TRANSPOSED_STYLES
@@ -95,11 +94,6 @@ def check_plan(
             raise ValueError(
                 f"tensor plan: {name} is a Conv1D (a transposed Linear), which takes {style!r} only without "
                 f"sequence parallelism. HINT: set sequence_parallel=False, or map {name} to 'replicate'"
-            )
-        if style == "rowwise" and (owner := changed_in_place(modules, name)) is not None:
-            raise ValueError(
-                f"tensor plan: {name} is 'rowwise', but {owner} adds to its output in place, which autograd refuses "
-                f"on 'rowwise''s output (a view of the all-reduced tensor). HINT: map {name} to '{OWN_OUTPUT}'"
             )
         if isinstance(module, nn.Conv2d) and module.groups != 1:
             raise ValueError(

@@ -3,9 +3,8 @@ in/out widths), for transformers that ship no plan and that torch.fx cannot trac
 
 Attention: q/k/v (separate, or a fused q | k | v split block by block) column-parallel with whole heads per rank, the
 output projection row-parallel, the module's head counts made local ("local_heads"). MLP: the projections from the
-hidden width to the intermediate width column-parallel, the one back row-parallel ("rowwise_own_output" where the
-model adds to its output in place, `in_place.py`). It reads names and widths, not the data flow (`pairing.py` follows
-an fx trace), and shards nothing: its plan is checked and applied like any other.
+hidden width to the intermediate width column-parallel, the one back row-parallel. It reads names and widths, not the
+data flow (`pairing.py` follows an fx trace), and shards nothing: its plan is checked and applied like any other.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_parallel.tensor.in_place import row_style
 from lightning_parallel.tensor.local_heads import local_attributes
 from lightning_parallel.tensor.pairing import AutoPlan
 from lightning_parallel.tensor.plans import HEAD_SIZES
@@ -167,7 +165,7 @@ def _mlp(modules: dict[str, nn.Module], tp: int, taken: set[str]) -> _Found:
         if intermediate % tp:
             why.update(dict.fromkeys([*ups, down], f"intermediate width {intermediate} not divisible by {tp}"))
             continue
-        styles.update({**dict.fromkeys(ups, "colwise"), down: row_style(modules, down)})
+        styles.update({**dict.fromkeys(ups, "colwise"), down: "rowwise"})
     return _Found(styles, why)
 
 

@@ -16,10 +16,8 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
     ParallelStyle,
     PrepareModuleOutput,
-    RowwiseParallel,
     SequenceParallel,
 )
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -27,6 +25,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from lightning_parallel.tensor.conv import BatchNormParallel, ConvColwiseParallel, ConvRowwiseParallel
 from lightning_parallel.tensor.head_norm import HeadNorm
 from lightning_parallel.tensor.local_heads import LocalHeads, attribute_sizes
+from lightning_parallel.tensor.local_output import OwnOutputColwise, OwnOutputRowwise
 from lightning_parallel.tensor.packed import PackedColwiseParallel
 from lightning_parallel.tensor.sharded_logits import VocabHead
 from lightning_parallel.tensor.transposed_linear import Conv1D
@@ -114,36 +113,21 @@ _SEQ = Shard(1)
 
 
 def _colwise(sp: bool) -> ParallelStyle:
-    return ColwiseParallel(input_layouts=_SEQ) if sp else ColwiseParallel()
-
-
-class _RowwiseOwnOutput(RowwiseParallel):
-    """torch's `RowwiseParallel`, its local output a tensor of its own rather than the view `to_local` returns: model
-    code may add to it in place (Falcon's `mlp_output += attention_output`), which autograd refuses on that view. One
-    copy of the all-reduced output per layer, so only "rowwise_own_output" pays it (`in_place.py` says where)."""
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN205 - torch's signature
-        local = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
-        return local.clone() if use_local_output else local
+    # local outputs no views (`local_output.py`): model code may change them in place
+    return OwnOutputColwise(input_layouts=_SEQ) if sp else OwnOutputColwise()
 
 
 def _rowwise(sp: bool) -> ParallelStyle:
-    return RowwiseParallel(output_layouts=_SEQ, use_local_output=False) if sp else RowwiseParallel()
-
-
-def _rowwise_own_output(sp: bool) -> ParallelStyle:
-    # sequence-parallel: the output leaves as a DTensor, which model code may change in place as it is
-    return _rowwise(sp) if sp else _RowwiseOwnOutput()
+    return OwnOutputRowwise(output_layouts=_SEQ, use_local_output=False) if sp else OwnOutputRowwise()
 
 
 def _rowwise_from_channels(sp: bool) -> ParallelStyle:
     # (B, C / tp * H * W) local, this rank's block of features: Shard(1); the output is never sequence-sharded
-    return RowwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    return OwnOutputRowwise(input_layouts=Shard(1), output_layouts=Replicate())
 
 
 def _colwise_gather(sp: bool) -> ParallelStyle:
-    return ColwiseParallel(input_layouts=_SEQ if sp else Replicate(), output_layouts=Replicate())
+    return OwnOutputColwise(input_layouts=_SEQ if sp else Replicate(), output_layouts=Replicate())
 
 
 def _vocab_head(sp: bool) -> ParallelStyle:
@@ -153,8 +137,8 @@ def _vocab_head(sp: bool) -> ParallelStyle:
 def _rowwise_split_input(sp: bool) -> ParallelStyle:
     # the input arrives whole (e.g. after a `chunk`): each rank takes its slice of the features locally
     if sp:
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=_SEQ, use_local_output=False)
-    return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        return OwnOutputRowwise(input_layouts=Replicate(), output_layouts=_SEQ, use_local_output=False)
+    return OwnOutputRowwise(input_layouts=Replicate(), output_layouts=Replicate())
 
 
 def _packed(pieces: int) -> MakeStyle:
@@ -194,18 +178,15 @@ _ALL_REDUCE_INPUT = (("all_reduce", "input"),)  # backward: the replicated input
 _ALL_REDUCE_OUTPUT = (("all_reduce", "output"),)  # forward: partial outputs are summed
 _TABLE = (
     StyleTraits(
-        "colwise", "Linear/Embedding/Conv1D: shard output features; input replicated", _colwise,
+        "colwise", "Linear/Embedding/Conv1D: shard output features; input replicated (model code may change the output "
+        "in place)", _colwise,
         shardings=(_OUT, _EMBEDDING_WIDTH, _OUT_T), sharded_output=True, collectives=_ALL_REDUCE_INPUT,
         transformers=("colwise",),
     ),
     StyleTraits(
-        "rowwise", "Linear/Conv1D: shard input features; all-reduce the output", _rowwise,
+        "rowwise", "Linear/Conv1D: shard input features; all-reduce the output (model code may change it in place)",
+        _rowwise,
         shardings=(_IN, _IN_T), sharded_input=True, collectives=_ALL_REDUCE_OUTPUT, transformers=("rowwise",),
-    ),
-    StyleTraits(
-        "rowwise_own_output", "Linear: 'rowwise', its output a tensor of its own (one copy per layer), for model code "
-        "that adds to it in place (Falcon's MLP), which autograd refuses on 'rowwise''s output", _rowwise_own_output,
-        shardings=(_IN,), sharded_input=True, collectives=_ALL_REDUCE_OUTPUT,
     ),
     StyleTraits(
         "rowwise_split_input", "Linear: shard input features of a whole input (each rank takes its slice); all-reduce "

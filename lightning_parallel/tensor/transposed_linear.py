@@ -14,7 +14,9 @@ from functools import partial
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from lightning_parallel.tensor.local_output import OwnOutputColwise, OwnOutputRowwise
 
 __all__ = ["TRANSPOSED_STYLES", "Conv1D"]
 
@@ -41,7 +43,7 @@ def _partition(placements: dict[str, Placement]):  # noqa: ANN202 - distribute_m
     return partition
 
 
-class TransposedColwiseParallel(ColwiseParallel):
+class TransposedColwiseParallel(OwnOutputColwise):
     """Shard output features: the weight's dim 1 and the bias; the input replicated, the output a local shard."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -54,8 +56,9 @@ class TransposedColwiseParallel(ColwiseParallel):
         )
 
 
-class TransposedRowwiseParallel(RowwiseParallel):
-    """Shard input features: the weight's dim 0; the bias replicated and added once; the output all-reduced."""
+class TransposedRowwiseParallel(OwnOutputRowwise):
+    """Shard input features: the weight's dim 0; the bias replicated and added once; the output all-reduced (no view,
+    `local_output.py`)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.desired_input_layouts = (Shard(-1),)  # as torch's style sets for nn.Linear: the input's features split

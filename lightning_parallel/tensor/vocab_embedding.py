@@ -17,15 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
-from torch.distributed.tensor.parallel import RowwiseParallel
 
 from lightning_parallel.one_process_ranks import per_rank
+from lightning_parallel.tensor.local_output import OwnOutputRowwise
 
 __all__ = ["VocabParallelEmbedding", "lookup_own_rows"]
 
 
-class VocabParallelEmbedding(RowwiseParallel):
-    """`RowwiseParallel` (input and output placements as given) whose `nn.Embedding` forward runs on local rows."""
+class VocabParallelEmbedding(OwnOutputRowwise):
+    """`RowwiseParallel` (input and output placements as given) whose `nn.Embedding` forward runs on local rows; its
+    all-reduced output no view (`local_output.py`), so model code may scale it in place."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module = super()._apply(module, device_mesh)
