@@ -11,13 +11,17 @@ from pathlib import Path
 from distributed import run_script
 
 # Run as `python launch.py`: Lightning's subprocess launcher starts rank 1 running this same script, as it does for
-# train.py. Each rank records what it is; rank 0 also what Popen reports of rank 1.
+# train.py. Each rank records what it is; rank 0 also what Popen reports of rank 1. A progress bar left open before
+# the launch starts tqdm's monitor thread, which forked_ranks ends (else the rank would be a fresh interpreter).
 SCRIPT = """
 import json, os, sys
 from pathlib import Path
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
+from tqdm import tqdm
+
+bar = tqdm(total=1, disable=False, file=sys.stderr)  # open at launch, as in the examples: tqdm's monitor thread runs
 environment = LightningEnvironment()
 launcher = _SubprocessScriptLauncher(environment, num_processes=2, num_nodes=1)
 launcher.launch(lambda: None)
