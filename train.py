@@ -36,7 +36,7 @@ from config_checks import (
     resolve_checkpoint,
     root_message,
 )
-from job_output import print_summary, report_failure, say, write_atomically
+from job_output import finished, print_summary, report_failure, run_summary, say, write_atomically
 from lightning_parallel.callbacks import ExactResume, ResumeRecord, RunSummary
 from lightning_parallel.checkpoint import check_matches
 from lightning_parallel.strategies.base import MeshStrategy
@@ -124,19 +124,6 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, Task, pl.LightningDataModule, Ru
     return trainer, task, data, summary, resume_from
 
 
-def finished(cfg: DictConfig) -> dict[str, Any] | None:
-    """With `ckpt_path=last`, the summary of this run directory when the run already reached its end (the same
-    command again, e.g. a scheduler's requeue after the job finished), else None."""
-    done = Path(cfg.paths.output_dir) / "summary.json"
-    if str(cfg.get("ckpt_path")) != "last" or not done.is_file():
-        return None
-    summary = json.loads(done.read_text())
-    max_steps, max_epochs = cfg.trainer.get("max_steps", -1), cfg.trainer.get("max_epochs")
-    if max_steps is not None and max_steps > 0:
-        return summary if summary.get("steps", 0) >= max_steps else None
-    return summary if max_epochs is not None and max_epochs >= 0 and summary.get("epochs", 0) >= max_epochs else None
-
-
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run `fit` as configured and return the summary (also written to `<output_dir>/summary.json`)."""
     if cfg.get("dry_run"):
@@ -172,28 +159,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             f"training ran no optimizer step ({trainer.num_training_batches} training batches per epoch, "
             f"max_epochs={trainer.max_epochs}); no summary.json written. HINT: {fix}"
         )
-    summary = {
-        "strategy": type(trainer.strategy).__name__,
-        "accelerator": type(trainer.accelerator).__name__,
-        "devices": trainer.num_devices,
-        "world_size": trainer.world_size,
-        "precision": trainer.precision,
-        "model": type(task.model).__name__,
-        "data": type(data).__name__,
-        "parameters": parameters,
-        "seed": cfg.seed,
-        "resumed_from": resume_from,
-        "resumes": record.resumes,
-        **recorder.summary,
-    }
-    auto_choice = getattr(trainer.strategy, "auto_choice", None)  # strategy=auto: what it chose and why
-    if auto_choice is not None:
-        summary["auto"] = auto_choice
-    describe = getattr(trainer.strategy, "describe", None)
-    if callable(describe):
-        summary["parallel"] = describe()
-    if HydraConfig.initialized():
-        summary["choices"] = {k: v for k, v in HydraConfig.get().runtime.choices.items() if "hydra" not in k}
+    summary = run_summary(trainer, task, data, parameters=parameters, seed=cfg.seed, resumed_from=resume_from,
+                          resumes=record.resumes, recorded=recorder.summary)  # fmt: skip
     if trainer.is_global_zero:
         write_atomically(Path(cfg.paths.output_dir) / "summary.json", json.dumps(summary, indent=2))
         print_summary(summary, cfg.paths.output_dir)

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 import types
 from collections.abc import Callable, Sequence
@@ -68,10 +69,30 @@ class ForkedRank(subprocess.Popen):
         return code
 
 
+def _end_tqdm_monitor() -> None:
+    """End tqdm's monitor thread, which a process's first progress bar starts (the examples make one before launch)
+    and which takes tqdm's lock every 10 s: a fork must not copy that lock held. tqdm starts a new one with its next
+    bar."""
+    tqdm = getattr(sys.modules.get("tqdm"), "tqdm", None)
+    monitor = getattr(tqdm, "monitor", None)
+    if monitor is not None and monitor.is_alive():
+        threads = _threads()
+        monitor.exit()  # joined: its Python side is done, and the thread itself ends a moment later
+        deadline = time.monotonic() + 2
+        while _threads() >= threads and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
 def _rank(args: Sequence[str], env: dict[str, str] | None = None, cwd: str | None = None) -> subprocess.Popen:
-    """A ForkedRank while this process runs one thread; else (a later job of a sweep, whose first job left gloo's and
-    the store's threads behind) a fresh interpreter: a fork copies locks those threads may hold, and it hung on one."""
-    if len(os.listdir("/proc/self/task")) > 1:
+    """A ForkedRank while this process runs one thread (tqdm's monitor ended first); else (a later job of a sweep,
+    whose first job left gloo's and the store's threads behind) a fresh interpreter: a fork copies locks those threads
+    may hold, and it hung on one."""
+    _end_tqdm_monitor()
+    if _threads() > 1:
         return subprocess.Popen(args, env=env, cwd=cwd)
     return ForkedRank(args, env=env, cwd=cwd)
 

@@ -4,8 +4,9 @@ user's module trains and validates); examples/hf_causal_lm_3d.py trains a transf
 the pipeline on 2 processes and exports it back (the same script at pp2 x tp2 differs only in its arguments; that
 layout's parity and export are tests/test_hf_tensor.py's and test_hf_pipeline.py's); examples/cluster/
 torchrun_restarts.sh runs its torchrun command (`--max-restarts`, `ckpt_path=last`) with one worker. The Python
-examples' first process is forked from the tests' server (tests/distributed.py run_script: ~9 s of CPU less each); the
-rank each launches is a fresh interpreter, as a user's is."""
+examples' first process is forked from the tests' server (tests/distributed.py run_script: ~9 s of CPU less each), and
+the rank each launches through Lightning's launcher is a fork of it running the same command line
+(tests/forked_ranks.py: ~9 s less again)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 @pytest.mark.slow
 def test_drop_in_example_runs_under_the_pipeline(tmp_path: Path) -> None:
     args = ["--strategy", "pipeline", "--devices", "2", "--epochs", "1", "--max-steps", "6"]
-    done = run_script(EXAMPLES / "drop_in.py", args, cwd=tmp_path, env=ENV, timeout=300)
+    done = run_script(EXAMPLES / "drop_in.py", args, cwd=tmp_path, env=ENV, timeout=300, fork_ranks=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "val_acc 0." in done.stdout
 
@@ -62,7 +63,7 @@ def test_drop_in_example_trains_under_every_registered_name(tmp_path: Path, monk
 def test_transformers_example_trains_padded_batches_and_exports_them_back(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     args = ["--devices", "2", "--pp", "2", "--tp", "1", "--layers", "2", "--steps", "2", "--out", str(tmp_path / "out")]
-    done = run_script(EXAMPLES / "hf_causal_lm_3d.py", args, cwd=tmp_path, env=ENV, timeout=300)
+    done = run_script(EXAMPLES / "hf_causal_lm_3d.py", args, cwd=tmp_path, env=ENV, timeout=300, fork_ranks=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "exported to" in done.stdout
     config = json.loads((tmp_path / "out" / "gpt2" / "config.json").read_text())

@@ -1,6 +1,6 @@
 """Parity: every pipeline schedule, at 2 and 4 stages, matches one process with the same seed and
 global batch (loss trajectory, final parameters and a validation pass after fit within 1e-5, fp32); so does
-data 2 x pipeline 2 with gradient clipping and accumulation on."""
+data 2 x pipeline 2 with gradient clipping and accumulation on (in the 4-stage schedules' launch)."""
 
 from __future__ import annotations
 
@@ -66,22 +66,43 @@ def assert_matches(
         torch.testing.assert_close(merged[name], value, rtol=0, atol=1e-5, msg=name)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stages", [2, 4])
-def test_every_schedule_matches_single_process(tmp_path: Path, stages: int) -> None:
-    batch = 16
-    configs = [
+def schedule_configs(stages: int) -> list[dict]:
+    return [
         {
             "devices": stages,
-            "global_batch": batch,
+            "global_batch": 16,
             "steps": STEPS,
             "val_batches": VAL_BATCHES,
             "strategy": {"schedule": name, "microbatches": 2 * stages},
         }
         for name in SCHEDULES
     ]
-    per_rank = run_workers("pipeline_parity", stages, configs, tmp_path)
-    ref_losses, ref_state, ref_val = reference(batch)
+
+
+CLIPPED = {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}
+DATA_BY_PIPELINE = {
+    "devices": 4,
+    "global_batch": 16,
+    "steps": STEPS,
+    "trainer": CLIPPED,
+    "strategy": {"schedule": "1f1b", "data_parallel_size": 2, "microbatches": 4},
+}
+
+
+@pytest.fixture(scope="module")
+def on_four(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict]]:
+    """Every schedule at 4 stages, then data 2 x pipeline 2 with clipping and accumulation: one launch of 4 ranks."""
+    return run_workers("pipeline_parity", 4, [*schedule_configs(4), DATA_BY_PIPELINE], tmp_path_factory.mktemp("pp4"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [2, 4])
+def test_every_schedule_matches_single_process(request: pytest.FixtureRequest, tmp_path: Path, stages: int) -> None:
+    if stages == 4:
+        per_rank = request.getfixturevalue("on_four")
+    else:
+        per_rank = run_workers("pipeline_parity", stages, schedule_configs(stages), tmp_path)
+    ref_losses, ref_state, ref_val = reference(16)
     assert_trained(ref_state)
     for index, name in enumerate(SCHEDULES):
         results = [rank_results[index] for rank_results in per_rank]
@@ -92,20 +113,9 @@ def test_every_schedule_matches_single_process(tmp_path: Path, stages: int) -> N
 
 
 @pytest.mark.slow
-def test_data_by_pipeline_with_clipping_and_accumulation(tmp_path: Path) -> None:
-    trainer = {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}
-    configs = [
-        {
-            "devices": 4,
-            "global_batch": 16,
-            "steps": STEPS,
-            "trainer": trainer,
-            "strategy": {"schedule": "1f1b", "data_parallel_size": 2, "microbatches": 4},
-        }
-    ]
-    per_rank = run_workers("pipeline_parity", 4, configs, tmp_path)
-    ref_losses, ref_state, _ = reference(16, **trainer)
-    results = [rank_results[0] for rank_results in per_rank]
+def test_data_by_pipeline_with_clipping_and_accumulation(on_four: list[list[dict]]) -> None:
+    ref_losses, ref_state, _ = reference(16, **CLIPPED)
+    results = [rank_results[len(SCHEDULES)] for rank_results in on_four]
     # Each data-parallel replica holds the full parameter set across its two stages.
     for replica in (results[:2], results[2:]):
         merged = {name: value for result in replica for name, value in result["state"].items()}

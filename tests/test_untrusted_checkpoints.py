@@ -26,8 +26,8 @@ from lightning_parallel import TensorParallelStrategy
 from lightning_parallel.checkpoint import META_FILE, MODEL_KEY, check_matches, export, load_module, read_meta
 from lightning_parallel.checkpoint import main as checkpoint_command
 from lightning_parallel.data import SyntheticTokensDataModule
+from lightning_parallel.lightning_seams import fit_weights_only
 from lightning_parallel.models import GPT
-from lightning_parallel.seams import fit_weights_only
 from lightning_parallel.strategies.base import OPTIMIZER_OPTIONS
 from lightning_parallel.tasks import LanguageModelTask
 from lightning_parallel.unpickling import UntrustedCheckpoint
@@ -169,7 +169,7 @@ def fit_tensor_parallel(steps: int, ckpt_path: Path | None = None, save: Path | 
 
 
 def test_fit_weights_only_reaches_the_mesh_strategy(tmp_path: Path) -> None:
-    """Lightning 2.6.6 drops `fit(weights_only=...)` for strategies that restore after setup (seams.py)."""
+    """Lightning 2.6.6 drops `fit(weights_only=...)` for strategies that restore after setup (lightning_seams.py)."""
     path = tmp_path / "tp.ckpt"
     fit_tensor_parallel(2, save=path)
     assert fit_tensor_parallel(3, path) == 3  # what the strategy wrote loads with the default

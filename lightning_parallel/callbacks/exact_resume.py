@@ -1,10 +1,11 @@
 """A callback that makes a resumed fit continue exactly where its checkpoint was saved, under any strategy.
 
 What Lightning 2.6.6 does not restore, it saves and restores: every rank's random number generators (torch, CUDA,
-numpy, Python) and, for a checkpoint saved mid-epoch, the training data's position (`seams.skip_training_batches`),
-with the generators as they were when the epoch's loader started, so a shuffle that draws from them (a plain
-`shuffle=True` DataLoader) draws the same order again. It also counts the epoch after a resume from an epoch's last
-batch (`seams.finish_restored_epoch`). It does not choose or write checkpoints.
+numpy, Python) and, for a checkpoint saved mid-epoch, the training data's position
+(`lightning_seams.skip_training_batches`), with the generators as they were when the epoch's loader started, so a
+shuffle that draws from them (a plain `shuffle=True` DataLoader) draws the same order again. It also counts the epoch
+after a resume from an epoch's last batch (`lightning_seams.finish_restored_epoch`). It does not choose or write
+checkpoints.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from typing_extensions import override
 
 from lightning_parallel.callbacks.run_summary import gather_objects
-from lightning_parallel.seams import finish_restored_epoch, skip_training_batches
+from lightning_parallel.lightning_seams import finish_restored_epoch, skip_training_batches
 
 try:
     import numpy as np
@@ -103,7 +104,7 @@ class ExactResume(pl.Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        finish_restored_epoch(trainer)  # a second resume stays exact (seams.py says why)
+        finish_restored_epoch(trainer)  # a second resume stays exact (lightning_seams says why)
         if self._continue is None:
             return
         batches = trainer.fit_loop.epoch_loop.batch_progress.current.ready

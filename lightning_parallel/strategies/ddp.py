@@ -13,8 +13,8 @@ from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_parallel.lightning_seams import finish_restored_epoch
 from lightning_parallel.replica_calls import ReplicaCalls
-from lightning_parallel.seams import finish_restored_epoch
 from lightning_parallel.strategies.arguments import check_timeout
 from lightning_parallel.strategies.module_access import ModuleAccess
 from lightning_parallel.strategies.peers import PeerFailure, check_nodes, stop_peers
@@ -110,7 +110,7 @@ class DDPStrategy(ModuleAccess, LightningDDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        finish_restored_epoch(self.module.trainer)  # a second resume stays exact (seams.py says why)
+        finish_restored_epoch(self.module.trainer)  # a second resume stays exact (lightning_seams says why)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

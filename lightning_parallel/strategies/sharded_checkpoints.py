@@ -36,8 +36,8 @@ from lightning_parallel.checkpoint import (
     sharded_tensors,
 )
 from lightning_parallel.hf_format import RECORD_KEY, describe_pretrained
+from lightning_parallel.lightning_seams import finish_restored_epoch, fit_weights_only
 from lightning_parallel.parameter_kinds import groups_by_kind
-from lightning_parallel.seams import finish_restored_epoch, fit_weights_only
 from lightning_parallel.strategies.mesh_processes import MeshProcesses
 from lightning_parallel.tensor.packed import copy_back, savable
 
@@ -56,7 +56,7 @@ class ShardedCheckpoints(MeshProcesses):
     def on_train_start(self) -> None:
         super().on_train_start()
         assert self.lightning_module is not None  # training has started
-        finish_restored_epoch(self.lightning_module.trainer)  # a second resume stays exact (seams.py says why)
+        finish_restored_epoch(self.lightning_module.trainer)  # a second resume stays exact (lightning_seams says why)
 
     @property
     @override

@@ -6,7 +6,7 @@ Measured on Lightning 2.6.6 with a single process:
 a checkpoint saved by `every_n_epochs` or by `trainer.save_checkpoint` after `fit` resumes one batch
 into a stale epoch and skips batches, and one saved inside an epoch restarts a plain DataLoader's epoch, while
 `every_n_train_steps` at an epoch's last batch resumes exactly (a second resume too: the mesh strategies apply
-`seams.finish_restored_epoch`).
+`lightning_seams.finish_restored_epoch`).
 """
 
 from __future__ import annotations
