@@ -81,6 +81,9 @@ class Heartbeat:
         self._group = dist.group.WORLD
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-rank{rank}", daemon=True)
+        # where this rank last waited on its peers: by the time a timed-out wait is handled, the main thread (and so
+        # its newest beat) may be in other code (a progress bar's teardown)
+        self.last_wait: str | None = None
 
     def start(self) -> Heartbeat:
         self._beat("its set-up, right after its process group started")  # a rank that stops early is named too
@@ -96,7 +99,9 @@ class Heartbeat:
 
     def _beat(self, doing: str | None = None) -> None:
         beat = {"time": time.time(), "pid": os.getpid(), "host": socket.gethostname()}
-        beat["doing"] = doing or where(sys._current_frames().get(self._main))
+        beat["doing"] = doing = doing or where(sys._current_frames().get(self._main))
+        if doing.startswith((*WAITING, "the pipeline schedule")):
+            self.last_wait = doing
         self._store.set(str(self.rank), json.dumps(beat))
 
     def _run(self) -> None:
@@ -137,13 +142,15 @@ def read_beats(store: dist.Store, world_size: int, *, timeout: float = 3.0) -> d
     return {rank: json.loads(value) for rank, value in zip(present, values, strict=True)}
 
 
-def read_hang(store: dist.Store, *, me: int, world_size: int, stale_after: float) -> Hang | None:
-    """The rank this one waited for when its collective timed out, from every rank's heartbeat; None when the
-    heartbeats name no one (or cannot be read)."""
+def read_hang(
+    store: dist.Store, *, me: int, world_size: int, stale_after: float, waited: str | None = None
+) -> Hang | None:
+    """The rank this one waited for when its collective timed out (in `waited`, else where its own heartbeat says),
+    from every rank's heartbeat; None when the heartbeats name no one (or cannot be read)."""
     beats = read_beats(store, world_size)
     if beats is None:
         return None
-    waited = beats.get(me, {}).get("doing", "a collective")
+    waited = waited or beats.get(me, {}).get("doing", "a collective")
     now = time.time()
     for rank in range(world_size):
         beat = beats.get(rank)

@@ -38,6 +38,19 @@ def test_the_rank_without_a_recent_heartbeat_is_named_with_what_it_and_the_waiti
     assert hang.line.endswith(f"it was in its own code at train.py:12 (step); rank 0 waited for it in {WAIT}")
 
 
+def test_the_waiting_rank_names_where_it_last_waited_though_its_newest_beat_is_elsewhere() -> None:
+    """By the time a timed-out wait is handled, the waiting rank's main thread (and its newest beat) may be in a
+    progress bar's teardown: the hang names where it last waited."""
+    server = store()
+    heartbeat = Heartbeat(server, rank=0, interval=60.0)
+    heartbeat._beat(WAIT)
+    heartbeat._beat("its own code at rich/console.py:971 (__exit__)")
+    assert heartbeat.last_wait == WAIT
+    beat(server, 1, 9.0, "its own code at train.py:12 (step)")
+    hang = read_hang(server, me=0, world_size=2, stale_after=4.0, waited=heartbeat.last_wait)
+    assert hang is not None and hang.line.endswith(f"rank 0 waited for it in {WAIT}"), hang
+
+
 def test_a_live_rank_outside_torch_distributed_is_named_and_all_waiting_names_no_one() -> None:
     server = store()
     beat(server, 0, 0.1, WAIT)

@@ -88,7 +88,10 @@ def name_the_hang(error: BaseException) -> Hang | None:
     if running is None or not running.heartbeat.alive or not timed_out(error):
         return None
     stale_after = max(5 * running.heartbeat.interval, running.timeout.total_seconds() / 2)
-    hang = read_hang(running.store, me=running.heartbeat.rank, world_size=running.world_size, stale_after=stale_after)
+    beating = running.heartbeat
+    hang = read_hang(
+        running.store, me=beating.rank, world_size=running.world_size, stale_after=stale_after, waited=beating.last_wait
+    )
     if hang is not None and hang.stopped and hang.host == socket.gethostname() and hang.pid not in (-1, os.getpid()):
         try:
             os.kill(hang.pid, signal.SIGKILL)
