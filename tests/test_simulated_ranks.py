@@ -4,7 +4,7 @@ pp 8 and dp2 x pp2 x tp4 (16 ranks) of the zoo GPT, set up by the strategies' ow
 (`simulated_ranks`), against one process: losses and every rank's final weights within 1e-5 (AdamW, padded text). The
 simulation has no FSDP2 (replicas here are the all-reduced kind) and no pipeline transport: the pipeline's stages are
 chained in one process (`simulated_stages.py`). Also: column- and row-parallel outputs are no views and no copies, so a
-user's model that changes one in place (`nn.ReLU(inplace=True)`, `out += residual`, Falcon's MLP) trains exactly.
+user's model that changes one in place (`nn.ReLU(inplace=True)`, `out += residual`, Falcon's MLP, after a bias-free row-parallel convolution) trains exactly.
 """
 
 from __future__ import annotations
@@ -250,3 +250,33 @@ def test_column_and_row_parallel_outputs_are_no_views_and_no_copies(model: str) 
         assert clones(loss) == one_device, (clones(loss), one_device)
         loss.backward()
     assert rows and views == dict.fromkeys(rows, False), views
+
+
+def test_a_bias_free_row_parallel_convolution_hands_on_no_view() -> None:
+    """`conv_rowwise` without a bias returns its all-reduced map as no view, so `nn.ReLU(inplace=True)` after it
+    trains: one tp2 step's loss and input gradient equal one process's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_parallel.tensor.conv import ConvColwiseParallel, ConvRowwiseParallel
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 5, 3, bias=False), nn.ReLU(inplace=True))
+
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 8, 8)
+    reference = x.clone().requires_grad_()
+    one_process = net()(reference).square().sum()
+    one_process.backward()
+    with simulated_ranks(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        sharded = parallelize_module(net(), mesh, {"0": ConvColwiseParallel(), "1": ConvRowwiseParallel()})
+        inputs = x.clone().requires_grad_()
+        loss = sharded(inputs).square().sum()
+        loss.backward()
+        losses, grads = full_values(loss), full_values(inputs.grad)
+    assert len(losses) == len(grads) == 2
+    for rank in (0, 1):
+        torch.testing.assert_close(losses[rank], one_process.detach(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(grads[rank], reference.grad, rtol=0, atol=1e-5)

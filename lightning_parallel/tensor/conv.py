@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_parallel.seams import conv_forward
+from lightning_parallel.tensor.local_output import own_local
 
 __all__ = ["BatchNormParallel", "ConvColwiseParallel", "ConvRowwiseParallel"]
 
@@ -130,7 +131,7 @@ def _row_forward(conv: nn.Conv2d, mesh: DeviceMesh, x: torch.Tensor) -> torch.Te
         partial_sum, mesh, [Partial()], run_check=False
     ).full_tensor()  # all-reduce; gradient passes through
     bias = _local_or_none(conv.bias)
-    return out if bias is None else out + bias.view(1, -1, 1, 1)
+    return own_local(out) if bias is None else out + bias.view(1, -1, 1, 1)  # no view: model code may change it
 
 
 def _norm_forward(bn: nn.BatchNorm1d | nn.BatchNorm2d, mesh: DeviceMesh, x: torch.Tensor) -> torch.Tensor:
