@@ -4,7 +4,8 @@ pp 8 and dp2 x pp2 x tp4 (16 ranks) of the zoo GPT, set up by the strategies' ow
 (`simulated_ranks`), against one process: losses and every rank's final weights within 1e-5 (AdamW, padded text). The
 simulation has no FSDP2 (replicas here are the all-reduced kind) and no pipeline transport: the pipeline's stages are
 chained in one process (`simulated_stages.py`). Also: column- and row-parallel outputs are no views and no copies, so a
-user's model that changes one in place (`nn.ReLU(inplace=True)`, `out += residual`, Falcon's MLP, after a bias-free row-parallel convolution) trains exactly.
+user's model that changes one in place (`nn.ReLU(inplace=True)`, `out += residual`, Falcon's MLP, after a bias-free
+row-parallel convolution) trains exactly.
 """
 
 from __future__ import annotations
