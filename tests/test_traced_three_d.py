@@ -4,7 +4,7 @@ whose embedding is tied to its head across the stages, under its own plan) train
 dp2 x pp2 x tp2) exactly as one process does: losses and final weights within 1e-5. In one process: how a parameter
 tied across stages is sharded (alike on every holder, or whole with the reason), dropout after a row-parallel
 layer (its partial sums reduced first, one mask on every rank), and a traced Llama's weight gradients (shards, never
-whole-sized)."""
+whole-sized; attention by each rank's heads)."""
 
 from __future__ import annotations
 
@@ -165,9 +165,11 @@ def test_dropout_after_a_row_parallel_layer_in_a_traced_stage_drops_the_reduced_
 def test_planned_weights_gradients_in_a_traced_llama_at_tp2_are_shards_never_whole() -> None:
     """A traced Llama at pp2 x tp2 in one process: every matmul in backward that makes a planned weight's gradient
     makes this rank's shard (a Partial or Replicate of a weight's whole shape was 2 x a Llama-3-70B tp8 MLP weight
-    per rank), each gradient is placed like its weight, and each is one device's."""
+    per rank), each gradient is placed like its weight, and each is one device's; attention runs on each rank's heads
+    (nothing is all-gathered, forward or backward)."""
     from hf_modules import VOCAB, one_layer_llama, padded
     from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.debug import CommDebugMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from lightning_parallel.one_process_ranks import simulated_ranks
@@ -209,10 +211,12 @@ def test_planned_weights_gradients_in_a_traced_llama_at_tp2_are_shards_never_who
             for style in [style for pattern, style in plan.items() if name and matches(pattern, name)][:1]:
                 distribute_planned(module, style, mesh)
         stages, _ = stages_on_mesh(traced.stage_modules(split, [0, 1], inputs, network), None, mesh, ["lm_head"])
-        with ShardedLogits():
+        with ShardedLogits(), CommDebugMode() as comm:
             loss = stages[1](*stages[0](*inputs))[0]
             with Matmuls() as backward:
                 loss.backward()
+        # attention by each rank's heads (traced_attention.py): q, k, v are never gathered (3 all-gathers whole)
+        assert not [op for op in comm.get_comm_counts() if "all_gather" in str(op)], comm.get_comm_counts()
         planned = {n: p for n, p in network.named_parameters() if isinstance(p, DTensor) and p.dim() == 2}
         assert len(planned) == 9, sorted(planned)  # q k v o, gate up down, the head, the embedding
         whole = {shape for p in planned.values() for shape in (tuple(p.shape), tuple(p.shape)[::-1])}
