@@ -56,6 +56,7 @@ def test_attention_split_by_heads_runs_on_each_ranks_heads_as_one_device(case: s
         placed = distribute_tensor(mask.detach(), mesh, [Replicate()]).requires_grad_() if mask is not None else None
         out = attention(*qkv, placed, **keywords)
         assert out.placements == (Shard(1),) and out.to_local().shape == (B, heads // 2, T, D), out
+        assert out.stride() == expected.stride()  # as one device's: its transpose and reshape copy nothing
         out.square().sum().backward()
         assert _gap(out, expected.detach()) < 1e-6
         for value, reference in zip([*qkv, placed], [*whole, mask], strict=True):

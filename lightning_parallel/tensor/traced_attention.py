@@ -36,9 +36,9 @@ def attention(
     local = aten.scaled_dot_product_attention.default(
         query.to_local(), key.to_local(), value.to_local(), mask[0], **rest
     )  # (B, H / tp, T, D_v): this rank's heads
-    heads = Shard(query.ndim - 3)
-    shape = (*query.shape[:-1], value.shape[-1])
-    return DTensor.from_local(local, mesh, [heads], run_check=False, shape=torch.Size(shape), stride=local.stride())
+    # global shape and strides from the local ones (even heads): a stride taken as is would make the transpose and
+    # reshape before the output projection copy the output
+    return DTensor.from_local(local, mesh, [Shard(query.ndim - 3)], run_check=False)
 
 
 def whole(*args: Any, **kwargs: Any) -> Any:
@@ -66,12 +66,8 @@ def split_packed(tensor: Any, split_size: int, dim: int = 0) -> Any:
     pieces = placement.split_factor if isinstance(placement, _StridedShard) and placement.dim == dim else 0
     if not (pieces and tensor.shape[dim] == pieces * split_size and split_size % size == 0):
         return aten.split.Tensor(tensor, split_size, dim)
-    shape = torch.Size((*tensor.shape[:dim], split_size, *tensor.shape[dim + 1 :]))
     parts = tensor.to_local().split(split_size // size, dim)  # this rank's share of each block
-    return tuple(
-        DTensor.from_local(part, tensor.device_mesh, [Shard(dim)], run_check=False, shape=shape, stride=part.stride())
-        for part in parts
-    )
+    return tuple(DTensor.from_local(part, tensor.device_mesh, [Shard(dim)], run_check=False) for part in parts)
 
 
 def _split_by_heads(query: Any, key: Any, value: Any) -> bool:
