@@ -26,8 +26,9 @@ def attention(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> Any:
-    """`aten.scaled_dot_product_attention` on DTensors: each rank attends with its own heads (`by_heads`) when q, k
-    and v are split evenly by heads (a head's attention needs only that head's q, k and v), else whole (`whole`)."""
+    """`aten.scaled_dot_product_attention` on DTensors: each rank attends with its own heads when q, k and v are
+    split evenly by heads (a head's attention needs only that head's q, k and v) and nothing drops, its output split
+    by heads; else whole on every rank (`whole`)."""
     rest = {"dropout_p": dropout_p, "is_causal": is_causal, "scale": scale, "enable_gqa": enable_gqa}
     mask = _local_mask(attn_mask, query) if _split_by_heads(query, key, value) and not dropout_p else None
     if mask is None:

@@ -25,8 +25,9 @@ its input whole, a cross-entropy on its logits runs on their vocabulary shards i
 
 Cost, honestly: every op goes through DTensor's eager dispatch (slower per op than plain tensors, like tp=1
 DTensors on GPU), a layer whose output is split or viewed across its sharded dimension is all-gathered there (a
-packed q|k|v projection's split into its blocks is not: `traced_attention.split_packed`), and gradients of Replicate parameters that come back Partial are all-reduced in backward.
-Compute is saved only between a column- and a row-parallel layer. No Lightning, no process groups beyond the mesh.
+packed q|k|v projection's split into its blocks is not: `traced_attention.split_packed`), and gradients of
+Replicate parameters that come back Partial are all-reduced in backward. Compute is saved only between a column- and
+a row-parallel layer (attention included). No Lightning, no process groups beyond the mesh.
 """
 
 from __future__ import annotations
