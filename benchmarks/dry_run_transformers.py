@@ -1,6 +1,7 @@
 """The dry run of transformers causal LMs at published shapes under a traced pipeline (no weights: built on the meta
 device from their configs): Llama-3-8B at pp4 x tp2 (8 ranks) and dp8 x pp4 x tp2 (64), Llama-3-70B at dp8 x pp4 x tp8
-(256), Qwen2-7B at pp4 x tp2; per pipeline rank the bytes of one AdamW step, and the wall and CPU seconds of each.
+(256), Qwen2-7B at pp4 x tp2; per pipeline rank the bytes of one AdamW step beside the planner's prediction, and the
+wall and CPU seconds of each.
 Replicas all-reduce (replicas='replicate': FSDP2 does not reach traced stages under tp yet).
 Writes results/dry_run_transformers. Usage: .venv/bin/python benchmarks/dry_run_transformers.py [--rows 0 2]
 """
@@ -48,7 +49,8 @@ def measure(name: str, dp: int, pp: int, tp: int, *, rows: int, seq: int) -> dic
     return {
         "model": name, "layout": result.layout, "ranks": result.world_size,
         "wall_s": round(time.perf_counter() - wall, 1), "cpu_s": round(time.process_time() - cpu, 1),
-        "roles": [{"role": r.role, "blocks": f"{r.blocks[0]}..{r.blocks[-1]}", **r.measured} for r in result.rows],
+        "roles": [{"role": r.role, "blocks": f"{r.blocks[0]}..{r.blocks[-1]}", **r.measured,
+                   "predicted": r.predicted, "miss": r.miss} for r in result.rows],
     }  # fmt: skip
 
 
@@ -62,18 +64,22 @@ def main() -> None:
     done = [measure(*ROWS[i], rows=args.batch, seq=args.seq) for i in args.rows]
     lines = [
         f"transformers causal LMs built on meta, {args.batch} x {args.seq} tokens per replica, fp32, AdamW, the "
-        f"pipeline's default schedule and micro-batches; per pipeline rank, GiB; {machine()} (shared: wall >> CPU).",
+        f"pipeline's default schedule and micro-batches; per pipeline rank, GiB (miss: the planner's total against the "
+        f"step peak); {machine()} (shared: wall >> CPU).",
         "",
-        "| model | layout | ranks | pp rank | blocks | params | grads | optimizer | activations | step peak | wall s | "
-        "CPU s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | layout | ranks | pp rank | blocks | params | grads | optimizer | activations | step peak | "
+        "planner's activations | planner's total | miss | wall s | CPU s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in done:
         for role in row["roles"]:
             sizes = " | ".join(f"{role[k] / GIB:.2f}" for k in ("params", "grads", "optimizer", "activations", "total"))
+            guess = role["predicted"] or {}
+            planner = " | ".join(f"{guess[k] / GIB:.2f}" if k in guess else "-" for k in ("activations", "total"))
+            miss = f"{role['miss']:+.1%}" if role["miss"] is not None else "-"
             lines.append(
                 f"| {row['model']} | {row['layout']} | {row['ranks']} | {role['role']} | {role['blocks']} | {sizes} | "
-                f"{row['wall_s']} | {row['cpu_s']} |"
+                f"{planner} | {miss} | {row['wall_s']} | {row['cpu_s']} |"
             )
     report = {"batch": args.batch, "seq": args.seq, "rows": done, "machine": machine()}
     write_results("dry_run_transformers", report, "\n".join(lines) + "\n", time.perf_counter() - started)

@@ -147,3 +147,28 @@ def test_transformers_family_dry_runs_at_pp2_tp2_on_padded_text(family) -> None:
         assert row.measured["grads"] == row.measured["params"] and row.measured["activations"] > 0, row
     blocks = [block for row in result.rows for block in row.blocks]
     assert blocks[-1] == "lm_head" and len(set(blocks)) == len(blocks), blocks
+
+
+def test_the_planner_analyses_a_traced_pipelines_layers_as_their_trace_runs_them() -> None:
+    """Under a pipeline transformers' Llama runs as torch.export traced it: its causal mask built (B, 1, T, T) rather
+    than SDPA's `is_causal`, so attention repeats the grouped key / value heads and keeps a float copy of the mask.
+    The planner's analysis at pp > 1 (`workload_from_call(traced=True)`) counts what that keeps per layer and row:
+    k and v at every query head (split by heads) instead of their grouped heads, and the mask (whole); at 2,048
+    tokens the mask alone is 16 MiB a layer and sequence (the planner was 10-22% low on traced pipelines there)."""
+    from lightning_parallel.planner.call_analysis import workload_from_call
+    from lightning_parallel.tensor.hf_plans import transformers_plan
+    from lightning_parallel.tensor.plans import expand_plan
+    from tests.hf_modules import llama
+
+    network = llama()  # 2 layers, 4 query heads of 8, 2 key / value heads
+    styles = expand_plan(network, transformers_plan(network) or {})
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    layers = [
+        next(b for b in workload_from_call(network, (), {"input_ids": ids}, styles=styles, traced=t).blocks
+             if b.name == "model.layers.1")
+        for t in (False, True)
+    ]  # fmt: skip
+    heads, kv_heads, tokens, size = 4, 2, 8, 8
+    repeated = 2 * (heads - kv_heads) * tokens * size  # k and v at every query head, per row
+    assert layers[1].activations - layers[0].activations == repeated + tokens * tokens, layers
+    assert layers[1].tp_activations - layers[0].tp_activations == repeated, layers

@@ -44,7 +44,8 @@ def workload_of(
 ) -> Workload | None:
     """The planner's figures for the network: an `nn.Sequential` block by block (`planner.workload_from_module`),
     any other network from one call on its inputs (`planner.workload_from_call`, the tensor plan the strategy
-    resolves; at pp > 1 its units cut as the traced stages are, `stage_cut`); None without a tensor input."""
+    resolves; at pp > 1 run as its trace runs and its units cut as the traced stages are, `stage_cut`); None without
+    a tensor input."""
     if isinstance(network, nn.Sequential):
         if not args or not torch.is_tensor(args[0]):
             return None
@@ -59,7 +60,7 @@ def workload_of(
     parallel = bool(getattr(strategy, "sequence_parallel", False))
     given = getattr(strategy, "plan", None)
     plan = resolve_plan(network, given, tensor_parallel_size=tp, sequence_parallel=parallel)[1] if tp > 1 else {}
-    return workload_from_call(network, args, kwargs, styles=plan)
+    return workload_from_call(network, args, kwargs, styles=plan, traced=strategy.dims.pp > 1)
 
 
 def stage_cut(workload: Workload, partition: Partition) -> tuple[tuple[int, ...], ...] | None:

@@ -4,13 +4,15 @@ hold parameters themselves, e.g. an embedding, a norm, an LM head) in the order 
 
 Saved tensors are the unit's that was running when autograd saved them; those saved after the last unit (the loss
 on the logits) are that unit's ``outside_activations``. FLOPs are the forward's x 3, without fused attention (it has
-no FLOP formula on CPU). It times nothing and sets nothing up.
+no FLOP formula on CPU). Under a pipeline the forward runs as its trace runs it (`as_traced`). It times nothing and
+sets nothing up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.planner.analysis import _ShardTracker, tp_modulus
 from lightning_parallel.planner.workload import Block, Workload, human_count
+from lightning_parallel.seams import changed
 from lightning_parallel.tensor.sharded_logits import vocab_heads
 
 
@@ -52,6 +55,7 @@ def workload_from_call(
     *,
     styles: Mapping[str, str],
     name: str | None = None,
+    traced: bool = False,
 ) -> Workload:
     """Per-unit figures of ``network(*args, **kwargs)`` (its tensors' shapes only; 2 or more rows) on fake tensors.
 
@@ -59,6 +63,8 @@ def workload_from_call(
         network: Any module, best built on the meta device; a copy runs, the module is not changed.
         args, kwargs: One batch's network inputs (e.g. ``input_ids`` and ``labels``).
         styles: The exact-name tensor-parallel plan the strategy resolves (``parallelize.plan.resolve_plan``).
+        traced: Whether the network runs split into traced pipeline stages: its forward then runs as their trace
+            does (`as_traced`).
 
     A loss after a `vocab_head` keeps its logits split by vocabulary, by the rule the strategies and the dry run
     follow (`tensor.sharded_logits.vocab_heads`: under plain and FSDP2 replicas alike).
@@ -98,7 +104,7 @@ def workload_from_call(
         handles = [h for _, m in units for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
         tracker = _ShardTracker(dict(meta.named_modules()), dict(styles))
         try:
-            with tracker, FlopCounterMode(display=False) as flops:
+            with tracker, FlopCounterMode(display=False) as flops, as_traced() if traced else contextlib.nullcontext():
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                     meta(*fake, **fake_kwargs)
         finally:
@@ -111,6 +117,22 @@ def workload_from_call(
     total = sum(b.params for b in blocks)
     label = name or f"{type(network).__name__} ({human_count(total)} parameters)"
     return Workload(name=label, blocks=tuple(blocks), tp_modulus=tp_modulus(network, styles))
+
+
+@contextlib.contextmanager
+def as_traced() -> Iterator[None]:
+    """The forward runs as the pipeline's trace (torch.export) ran it, so the analysis sees what traced stages hold:
+    `torch.compiler.is_compiling()` and `is_exporting()` are True, set by torch's own `_compiling_state_context`
+    (private). Models branch on them: transformers then builds its causal mask (B, 1, T, T) instead of asking
+    attention for `is_causal`, so it repeats grouped key / value heads, and each attention keeps a float copy of the
+    mask (16 MiB a sequence of 2,048 tokens, per layer, whole on every tensor rank)."""
+    try:
+        from torch._export.utils import _compiling_state_context
+    except ImportError as error:
+        why = "analyse a network as its traced pipeline stages run"
+        raise changed("torch", "torch._export.utils._compiling_state_context", why) from error
+    with _compiling_state_context():
+        yield
 
 
 def _block(

@@ -14,7 +14,8 @@ plain, whole tensors. DTensor's sharding propagation then computes every op with
 would, and inserts the collectives (all-reduce of a rowwise layer's partial sums, all-gather where a view or split
 crosses a sharded dimension). Parity is exact up to summation order; ops DTensor cannot shard correctly are
 replaced: Conv2d and BatchNorm with channel-sharded parameters run on local shards (DTensor shards convolutions
-spatially only), scaled-dot-product attention runs whole on every rank (torch 2.13 has no CPU backward rule),
+spatially only), scaled-dot-product attention on each rank's heads when q, k and v arrive split by heads, else
+whole on every rank (`traced_attention.py`; torch 2.13 has no DTensor rule for its CPU backward),
 dropout reduces partial sums before it draws; a planned linear (`aten.linear`) or transformers `Conv1D` (`aten.addmm`)
 takes and leaves no partial sums, a row-parallel one its input split (so weight gradients are shards,
 `traced_linear.py`); a `vocab_head` takes its input whole, a cross-entropy on its logits runs on their vocabulary
@@ -23,9 +24,10 @@ split by vocabulary (`sharded_logits.handed_on`), for the loss after it; a vocab
 rank's own rows (`vocab_embedding.lookup_own_rows`).
 
 Cost, honestly: every op goes through DTensor's eager dispatch (slower per op than plain tensors, like tp=1
-DTensors on GPU), a layer whose output is split or viewed across its sharded dimension (a fused q|k|v projection)
-is all-gathered there, and gradients of Replicate parameters that come back Partial are all-reduced in backward.
-Compute is saved only between a column- and a row-parallel layer. No Lightning, no process groups beyond the mesh.
+DTensors on GPU), a layer whose output is split or viewed across its sharded dimension is all-gathered there (a
+packed q|k|v projection's split into its blocks is not: `traced_attention.split_packed`), and gradients of
+Replicate parameters that come back Partial are all-reduced in backward. Compute is saved only between a column- and
+a row-parallel layer (attention included). No Lightning, no process groups beyond the mesh.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_parallel.tensor.sharded_logits import current_session, handed_on
 from lightning_parallel.tensor.styles import STYLE_TRAITS
+from lightning_parallel.tensor.traced_attention import attention, split_packed
 from lightning_parallel.tensor.traced_linear import head_linear, planned_addmm, planned_linear, sharded, summed
 from lightning_parallel.tensor.vocab_embedding import lookup_own_rows
 from lightning_parallel.tensor.vocab_loss import cross_entropy_on_shards, sharded_class_dim
@@ -219,19 +222,6 @@ def _batch_norm(x: Any, weight: Any, bias: Any, mean: Any, var: Any, *rest: Any)
     return DTensor.from_local(out, mesh, [Shard(1)], run_check=False)
 
 
-def _attention_whole(*args: Any, **kwargs: Any) -> Any:
-    """Scaled-dot-product attention on whole tensors on every rank: torch 2.13 has no DTensor rule for its CPU
-    backward. Heads are not sharded here, so this costs an all-gather of a sharded q/k/v and no savings."""
-    mesh = _mesh_of(args, kwargs)
-    if mesh is None:
-        return aten.scaled_dot_product_attention.default(*args, **kwargs)
-    args, kwargs = pytree.tree_map_only(
-        DTensor, lambda t: t.redistribute(mesh, [Replicate()]).to_local(), (args, kwargs)
-    )
-    out = aten.scaled_dot_product_attention.default(*args, **kwargs)
-    return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
-
-
 def _embedding(weight: Any, indices: Any, padding_idx: int = -1, *rest: Any) -> Any:
     """`aten.embedding` on a vocabulary-sharded table (vocab_parallel): the style's own lookup of each rank's rows
     (`vocab_embedding.lookup_own_rows`: the gradient stays the rank's rows), the partial lookups summed at once.
@@ -281,7 +271,8 @@ def _assert_local_metadata(tensor: Any, *args: Any, **kwargs: Any) -> Any:
 _REPLACED: dict[Any, Callable[..., Any]] = {
     aten.conv2d.default: _conv2d,
     aten.batch_norm.default: _batch_norm,
-    aten.scaled_dot_product_attention.default: _attention_whole,
+    aten.scaled_dot_product_attention.default: attention,
+    aten.split.Tensor: split_packed,
     aten.embedding.default: _embedding,
     aten.addmm.default: planned_addmm,
     aten._assert_tensor_metadata.default: _assert_local_metadata,
