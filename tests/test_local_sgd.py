@@ -12,6 +12,7 @@ One launch (2 processes, the tiny GPT, 20 steps per fit) runs every fit; the tes
 from __future__ import annotations
 
 import json
+import sys
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import run_cli
-from distributed import run_workers
+from distributed import WORKERS, run_workers
 
 from lightning_parallel import DiLoCoStrategy, LocalSGDStrategy
 from lightning_parallel.sync_methods import SYNC_METHODS
@@ -73,6 +74,22 @@ def assert_states_close(state: dict[str, torch.Tensor], expected: dict[str, torc
     assert state.keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(state[name], value, rtol=0, atol=atol, msg=name)
+
+
+@pytest.mark.slow
+def test_ddp_equals_one_process(runs: dict[str, list[dict[str, Any]]]) -> None:
+    """The DDP run the period-1 fits are compared with is itself one process's training at the global batch (run
+    here, in this process), so none of them is compared only with another parallel run."""
+    sys.path.insert(0, str(WORKERS))
+    from local_sgd import fit
+
+    one = fit({"strategy": "single", "devices": 1, "steps": STEPS, "momentum": PLAIN})
+    for rank in range(2):
+        ddp = runs["ddp"][rank]
+        assert len(ddp["losses"]) == len(one["losses"]) == STEPS
+        assert max(abs(a - b) for a, b in zip(ddp["losses"], one["losses"], strict=True)) < 1e-5
+        assert_states_close(ddp["state"], one["state"], atol=1e-5)
+    assert abs(one["sums"][-1] - one["sums"][0]) > 1e-2  # it trained
 
 
 @pytest.mark.slow

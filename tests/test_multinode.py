@@ -128,6 +128,22 @@ def test_two_torchrun_nodes_equal_one_launch(tmp_path: Path, one_launch: Any) ->
     assert_same_run(run, one_launch())
 
 
+@pytest.mark.slow
+def test_one_launch_equals_one_process(one_launch: Any, compose_cfg: Any, tmp_path: Path) -> None:
+    """The 4-process reference the node launches are held to is itself one process's training (run here, in this
+    process): neither launch test compares only with another run of the same strategy."""
+    from train import train
+
+    train(compose_cfg(*TINY, "strategy=single", "trainer.devices=1", "trainer.accelerator=cpu"))
+    want_loss, want_weights, summary = final_state(tmp_path)
+    got_loss, got_weights, _ = final_state(one_launch())
+    assert summary["world_size"] == 1 and len(want_loss) == 3 and want_loss[-1] != want_loss[0]
+    assert max(abs(a - b) for a, b in zip(got_loss, want_loss, strict=True)) < 1e-5, (got_loss, want_loss)
+    assert got_weights.keys() == want_weights.keys()
+    worst = max((got_weights[k] - want_weights[k]).abs().max().item() for k in want_weights)
+    assert worst < 1e-5, worst
+
+
 def free_slurm_port() -> int:
     """A free port Lightning's SLURMEnvironment derives from the job id: 15000 + its last four digits."""
     for port in random.sample(range(15000, 25000), 200):

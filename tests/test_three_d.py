@@ -97,11 +97,17 @@ def test_pipeline_by_tensor_with_clipping_accumulation_bf16_and_fsdp_replicas(tm
     assert per_rank[0][2]["parallel"]["replicas"] == "fsdp"
     shape, whole = per_rank[0][2]["shapes"]["block_0.attn.q.weight"], per_rank[0][2]["state"]["block_0.attn.q.weight"]
     assert shape[0] * 2 == whole.shape[0], (shape, whole.shape)
-    # bf16 rounds differently when a batch is cut into micro-batches and layers into shards: tracked, not equal
-    bf16_losses, _ = reference("gpt", 16, **BF16)
+    # bf16 rounds differently when a batch is cut into micro-batches and layers into shards: close, not equal.
+    # Measured (2026-11-27, CPU): losses 7e-5 and weights 7e-4 from one process; a run that never stepped is 4e-2 and
+    # 0.1 away, so a bound on the losses alone of 2% of the loss (5.6e-2) passed it
+    bf16_losses, bf16_state = reference("gpt", 16, **BF16)
     for rank in per_rank:
         gaps = [abs(a - b) for a, b in zip(rank[1]["losses"], bf16_losses, strict=True)]
-        assert max(gaps) < 2e-2 * max(1.0, max(bf16_losses)), gaps
+        assert max(gaps) < 1e-3, gaps
+    merged = replica_states([rank[1] for rank in per_rank], 1)[0]
+    assert merged.keys() == bf16_state.keys()
+    for name, value in bf16_state.items():
+        torch.testing.assert_close(merged[name], value, rtol=0, atol=5e-3, msg=name)
     parallel = per_rank[0][0]["parallel"]
     assert (parallel["data_parallel_size"], parallel["pipeline_size"], parallel["tensor_parallel_size"]) == (1, 2, 2)
     assert parallel["plan_source"] == "model" and parallel["sharded"]["block_0.attn.q"] == "colwise"

@@ -4,6 +4,7 @@ SGD), recording each step's parameter checksum on this rank; optionally checkpoi
 Payload: [{"strategy": "ddp" | "local_sgd" | "diloco", "args": {...}, "steps", "momentum", "kernel"?, "save_dir",
 "resume"}] ("kernel": SGD's {"foreach": true} or {"fused": true}).
 (`args["outer_optimizer"]` is [lr, momentum, nesterov] for torch.optim.SGD). Saves a list of results per rank.
+The test runs `fit({"strategy": "single", "devices": 1, ...})` in its own process: the one-process reference.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ class Checksums(pl.Callback):
         self.sums.append(sum(p.detach().double().sum().item() for p in pl_module.parameters()))
 
 
-def make_strategy(name: str, args: dict[str, Any]) -> pl.strategies.Strategy:
+def make_strategy(name: str, args: dict[str, Any]) -> pl.strategies.Strategy | str:
+    if name == "single":
+        return "auto"
     if name == "ddp":
         return DDPStrategy(timeout=60)
     if name == "local_sgd":
@@ -52,8 +55,9 @@ def make_strategy(name: str, args: dict[str, Any]) -> pl.strategies.Strategy:
 
 def fit(config: dict[str, Any]) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
+    devices = config.get("devices", 2)
     data = SyntheticTokensDataModule(
-        vocab_size=16, seq_len=8, num_samples=SAMPLES, batch_size=GLOBAL_BATCH // 2, seed=0
+        vocab_size=16, seq_len=8, num_samples=SAMPLES, batch_size=GLOBAL_BATCH // devices, seed=0
     )
     recorder, checksums = RunSummary(), Checksums()
     callbacks: list[pl.Callback] = [recorder, checksums, ExactResume()]
@@ -62,7 +66,7 @@ def fit(config: dict[str, Any]) -> dict[str, Any]:
         callbacks.append(every)
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=devices,
         strategy=make_strategy(config["strategy"], config.get("args", {})),
         max_steps=config["steps"],
         limit_val_batches=0,
