@@ -173,3 +173,27 @@ def test_bf16_logits_under_autocast_give_one_devices_fp32_loss_and_bf16_gradient
         assert all(float((value - expected).abs()) <= 1e-6 * float(expected.abs()) for value in per_rank(loss)), name
         step = float(one.grad.abs().max()) * 2**-8
         assert all(g.dtype == torch.bfloat16 and float((g - one.grad).abs().max()) <= step for g in grads), name
+
+
+def test_the_loss_holds_its_logits_and_one_copy_at_once() -> None:
+    """The loss on a rank's (M, V / tp) shard holds the logits and one copy of that size at once in its forward (the
+    exponentials, made in place on the shifted logits) and two in its backward (the saved exponentials and the
+    gradient, scaled in place); a copy more in each before (the shifted logits beside their exponentials, the
+    softmax beside the gradient): 501 MiB a copy at Llama-3-8B tp2, 2,048 tokens. Bytes by `LiveBytes`, on one rank
+    of the fake process group."""
+    import torch.distributed as dist
+
+    from lightning_parallel.dryrun.live_bytes import LiveBytes
+    from lightning_parallel.one_process_ranks import fake_rank
+    from lightning_parallel.tensor.vocab_loss import _VocabParallelCrossEntropy
+
+    rows, columns = 64, 1024  # a copy: 256 KiB; the other tensors: a few numbers a row
+    logits = torch.randn(rows, columns).requires_grad_()
+    target = torch.randint(0, 2 * columns, (rows,))
+    copy, small = logits.nbytes, 16 * rows * 8  # a dozen numbers a row at most
+    with fake_rank(0, 2), LiveBytes([logits, target]) as live:
+        loss = _VocabParallelCrossEntropy.apply(logits, target, 0, IGNORED, dist.group.WORLD).sum()
+        forward = live.peak
+        loss.backward()
+    assert 2 * copy <= forward < 2 * copy + small, (forward, copy)  # the logits and the exponentials
+    assert 3 * copy <= live.peak < 3 * copy + small, (live.peak, copy)  # and the gradient

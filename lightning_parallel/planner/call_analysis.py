@@ -3,9 +3,9 @@ CPU tensors: its units (the outermost modules whose class repeats, e.g. decoder 
 hold parameters themselves, e.g. an embedding, a norm, an LM head) in the order they run, each a planner ``Block``.
 
 Saved tensors are the unit's that was running when autograd saved them; those saved after the last unit (the loss
-on the logits) are that unit's ``outside_activations``. FLOPs are the forward's x 3, without fused attention (it has
-no FLOP formula on CPU). Under a pipeline the forward runs as its trace runs it (`as_traced`). It times nothing and
-sets nothing up.
+on the logits) are that unit's ``outside_activations``, its output (the logits) its ``loss_input``. FLOPs are the
+forward's x 3, without fused attention (it has no FLOP formula on CPU). Under a pipeline the forward runs as its
+trace runs it (`as_traced`). It times nothing and sets nothing up.
 """
 
 from __future__ import annotations
@@ -151,6 +151,8 @@ def _block(
     saved, tp_saved = tracker.saved_elements(inside, parameter_ids)
     loss, tp_loss = tracker.saved_elements(outside, parameter_ids)
     tp_loss = loss if split_loss else tp_loss
+    # the loss's input: the logits, this unit's output, alive through the loss's forward beside what it saves
+    held = figures["output"] / rows if outside else 0.0
     counts = flops.get_flop_counts()
     forward = sum(sum(v.values()) for key, v in counts.items() if key.endswith(f".{unit}") or key == unit)
     params = sum(p.numel() for p in module.parameters())
@@ -169,6 +171,8 @@ def _block(
         tp_activations=(tp_saved + tp_loss) / rows,
         outside_activations=loss / rows,
         tp_outside_activations=tp_loss / rows,
+        loss_input=held,
+        tp_loss_input=held if split_loss else 0.0,
         output=figures["output"] / rows,
         replica_unit=unit.partition(".")[0],  # the tensor strategy's FSDP2 wraps each child of the network
         parameters=each,

@@ -12,12 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_parallel.pipeline.balance import split_by_cost
-from lightning_parallel.pipeline.schedule_plan import resolve_schedule
 from lightning_parallel.planner.checkpointing import MODES as CHECKPOINTING
 from lightning_parallel.planner.checkpointing import checkpointed_kinds, kept_and_rematerialised, recompute_factor
 from lightning_parallel.planner.hardware import Hardware, precision_bytes
 from lightning_parallel.planner.layout import Estimate, Layout, check_layout
-from lightning_parallel.planner.memory import UPDATES, RankBytes, rank_memory
+from lightning_parallel.planner.memory import UPDATES, RankBytes, rank_memory, update_elements
 from lightning_parallel.planner.schedule_costs import schedule_cost
 from lightning_parallel.planner.workload import Workload
 
@@ -39,6 +38,7 @@ class _Rank:
     block_params: tuple[float, ...] = ()  # local parameters per block, in forward order
     block_activations: tuple[float, ...] = ()  # bytes kept per sample per block, in forward order
     update: float = 0.0  # state elements the optimizer step's temporaries hold (``memory.UPDATES``)
+    loss: float = 0.0  # bytes per sample a loss after its blocks holds beside their activations while it runs
 
 
 class CostModel:
@@ -95,23 +95,13 @@ class CostModel:
         costs = [float(max(b.params, 1)) for b in blocks]
         return tuple(tuple(int(n) for n in stage) for stage in split_by_cost(names, costs, num_stages))
 
-    def stage_to_rank(self, layout: Layout) -> list[int]:
-        if layout.pp == 1:
-            return [0]
-        return resolve_schedule(
-            layout.schedule or "",
-            pp=layout.pp,
-            microbatches=layout.microbatches,
-            stages_per_rank=layout.stages_per_rank,
-        ).stage_to_rank(layout.pp)
-
     def _ranks_uncached(self, pp: int, stages: tuple[int, ...], tp: int) -> tuple[_Rank, ...]:
         split = self._split(len(stages))
         return tuple(self._rank(split, [s for s, r in enumerate(stages) if r == rank], tp) for rank in range(pp))
 
     def _rank(self, split: tuple[tuple[int, ...], ...], stages: list[int], tp: int) -> _Rank:
         hw, net = self.hardware, self.hardware.network
-        fixed = per_sample = comm_fixed = comm_per_sample = activations = rebuilt = params = 0.0
+        fixed = per_sample = comm_fixed = comm_per_sample = activations = rebuilt = params = loss = 0.0
         count = collectives = 0
         block_params: list[float] = []
         block_activations: list[float] = []
@@ -140,6 +130,7 @@ class CostModel:
                 fixed += hw.block_overhead * recompute
                 per_sample += block.flops * shard / self.rate * recompute
             kept, rebuilding = kept_and_rematerialised(block, tp, mode, block_input)
+            loss += (block.loss_input - block.tp_loss_input + block.tp_loss_input / tp) * self.act_bytes
             activations += kept * self.act_bytes
             block_activations.append(kept * self.act_bytes)
             rebuilt = max(rebuilt, rebuilding * self.act_bytes)
@@ -150,18 +141,8 @@ class CostModel:
                 comm_per_sample += per_byte * elements * self.act_bytes
         sums = (fixed, per_sample, comm_fixed, collectives, comm_per_sample, activations, rebuilt, count)
         replicas = tuple((start, size) for _, start, size in units)
-        return _Rank(
-            params, replicas, *sums, tuple(block_params), tuple(block_activations), self._update(sizes, params)
-        )
-
-    def _update(self, sizes: list[float], params: float) -> float:
-        """State elements the optimizer step's temporaries hold at most (``memory.UPDATES``), from the local sizes
-        of the rank's parameters in update order."""
-        if self.update == "foreach":
-            return params
-        if self.update == "for-loop":
-            return max((2 * n + (sizes[i - 1] if i else 0.0) for i, n in enumerate(sizes)), default=0.0)
-        return 0.0
+        update = update_elements(self.update, sizes, params)
+        return _Rank(params, replicas, *sums, tuple(block_params), tuple(block_activations), update, loss)
 
     # ---- one layout ------------------------------------------------------------------------------
     def estimate(self, layout: Layout, *, batch: int) -> Estimate:
@@ -171,7 +152,7 @@ class CostModel:
             ValueError: The layout cannot run this workload (sizes, tensor-parallel divisibility, micro-batches).
         """
         self.check(layout, batch=batch)
-        stages = tuple(self.stage_to_rank(layout))
+        stages = tuple(layout.stage_to_rank())
         ranks = self._ranks(layout.pp, stages, layout.tp)
         micro = batch // layout.microbatches
         if layout.pp > 1:
@@ -297,7 +278,7 @@ class CostModel:
             first, after = in_flight[min(rank, len(in_flight) - 1)]
             held = RankBytes(figures.block_params, figures.block_activations, figures.rematerialised,
                              [size for _, size in figures.replica_units],
-                             [start for start, _ in figures.replica_units], figures.update)  # fmt: skip
+                             [start for start, _ in figures.replica_units], figures.update, figures.loss)  # fmt: skip
             memories.append(
                 rank_memory(
                     held,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lightning_parallel.pipeline.schedule_plan import resolve_schedule
+
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
@@ -46,6 +48,15 @@ class Layout:
     def label(self) -> str:
         """``dp4 x pp2 x tp1``."""
         return f"dp{self.dp} x pp{self.pp} x tp{self.tp}"
+
+    def stage_to_rank(self) -> list[int]:
+        """The pipeline rank of each stage, as the schedule places them (``[0]`` without a pipeline)."""
+        if self.pp == 1:
+            return [0]
+        spec = resolve_schedule(
+            self.schedule or "", pp=self.pp, microbatches=self.microbatches, stages_per_rank=self.stages_per_rank
+        )
+        return spec.stage_to_rank(self.pp)
 
     @property
     def kind(self) -> str:

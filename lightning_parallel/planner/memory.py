@@ -16,6 +16,16 @@ from dataclasses import dataclass
 UPDATES = ("for-loop", "foreach", "fused")
 
 
+def update_elements(update: str, sizes: Sequence[float], params: float) -> float:
+    """State elements the optimizer step's temporaries hold at most (``UPDATES``), from the local sizes of a rank's
+    parameters in update order and their sum ``params``."""
+    if update == "foreach":
+        return params
+    if update == "for-loop":
+        return max((2 * n + (sizes[i - 1] if i else 0.0) for i, n in enumerate(sizes)), default=0.0)
+    return 0.0
+
+
 @dataclass(frozen=True)
 class RankBytes:
     """One pipeline rank's per-block figures, in its blocks' forward order (tensor-parallel shards, before any
@@ -27,6 +37,7 @@ class RankBytes:
     replica_units: Sequence[float]  # parameters of each FSDP2 unit (gathered at once), in forward order
     unit_starts: Sequence[int]  # the index of each unit's first block
     update: float = 0.0  # state elements of the optimizer step's temporaries (tensor shards)
+    loss: float = 0.0  # bytes per sample a loss after its blocks holds beside their activations while it runs
 
 
 def peak_of_step(
@@ -36,25 +47,28 @@ def peak_of_step(
     at_first_grad: int,
     with_grads: int,
     transients: Sequence[float] = (),
+    loss: float = 0.0,
 ) -> float:
     """The most bytes gradients and activations hold together over a rank's step (``grads``, ``micro_acts``,
     ``transients``: per block, in forward order; activations of one micro-batch of the rank's stages; what a block's
-    backward holds only while it runs, e.g. FSDP2's gathered unit).
+    backward holds only while it runs, e.g. FSDP2's gathered unit; ``loss``: what a loss after the blocks holds
+    beside a micro-batch's activations while its forward runs, e.g. its input logits).
 
     Gradients are whole from the rank's first backward on (they accumulate over micro-batches), beside at most
     ``with_grads`` micro-batches' activations; during that first backward each block's gradient appears as its
-    activations are freed: ``at_first_grad - 1`` other micro-batches, plus the worst point of the sweep.
+    activations are freed: ``at_first_grad - 1`` other micro-batches, plus the worst point of the sweep. A loss's
+    forward ends a micro-batch's forward: ``at_first_grad`` of them held before any gradient, ``with_grads`` after.
     """
     whole_grads, one = sum(grads), sum(micro_acts)
     kept = list(itertools.accumulate(micro_acts))  # activations left when the backward reaches block i
     made = list(itertools.accumulate(reversed(grads)))[::-1]  # gradients made by then (blocks i and after)
     extra = list(transients) or [0.0] * len(kept)
     sweep = max((a + g + t for a, g, t in zip(kept, made, extra, strict=True)), default=0.0)
-    first = (at_first_grad - 1) * one + sweep
+    first = max((at_first_grad - 1) * one + sweep, at_first_grad * one + loss)
     if with_grads == 0:
         return first
     steady = max((a + t for a, t in zip(kept, extra, strict=True)), default=0.0)  # a later backward's worst point
-    return max(first, whole_grads + max(with_grads * one, (with_grads - 1) * one + steady))
+    return max(first, whole_grads + max(with_grads * one + loss, (with_grads - 1) * one + steady))
 
 
 def rank_memory(
@@ -95,7 +109,8 @@ def rank_memory(
             at_end = (p + before) * param_bytes + p * grad_bytes + kept_input
             transients[end - 1] = max(transients[end - 1], at_start)
             transients[start] = max(transients[start], at_end)
-    peak = peak_of_step(grads, micro_acts, at_first_grad=at_first_grad, with_grads=with_grads, transients=transients)
+    peak = peak_of_step(grads, micro_acts, at_first_grad=at_first_grad, with_grads=with_grads, transients=transients,
+                        loss=rank.loss * micro)  # fmt: skip
     gathered = max(transients, default=0.0)
     activations = peak - sum(grads) - gathered + rank.rematerialised * micro
     temporaries = rank.update / shard * state_bytes

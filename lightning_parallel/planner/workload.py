@@ -31,6 +31,9 @@ class Block:
         outside_activations: Of ``activations``, elements a loss outside the network saves (the log-softmax of the
             logits): kept under any activation checkpointing.
         tp_outside_activations: Of which split across tensor-parallel ranks (a vocabulary-parallel loss's).
+        loss_input: Elements per sample of that loss's input (the logits, the block's output), held beside what the
+            loss saves only while the loss's forward runs: a micro-batch's peak on the rank holding the loss.
+        tp_loss_input: Of which split across tensor-parallel ranks.
         output: Elements of the block's output per sample: what a pipeline boundary after it sends.
         collectives: Tensor-parallel collectives per forward + backward: ``(kind, elements per sample)``.
         seconds: Measured forward + backward time ``(fixed, per sample)`` on one device; None = from FLOPs.
@@ -52,6 +55,8 @@ class Block:
     tp_selective_activations: float = 0.0
     outside_activations: float = 0.0
     tp_outside_activations: float = 0.0
+    loss_input: float = 0.0
+    tp_loss_input: float = 0.0
     output: float = 0.0
     collectives: tuple[tuple[str, float], ...] = ()
     seconds: tuple[float, float] | None = None
@@ -165,6 +170,8 @@ def gpt_workload(
         tp_selective_activations=t * v,
         outside_activations=t * v,
         tp_outside_activations=t * v,
+        loss_input=t * v,
+        tp_loss_input=t * v,
         output=t * v,
         collectives=(("all_reduce", t * w),),
     )

@@ -22,16 +22,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         largest = logits.detach().amax(-1)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)  # 1: the largest logit over the vocabulary
         shifted = logits - largest.unsqueeze(-1)
-        exp = shifted.exp()
-        total = exp.sum(-1)
-        dist.all_reduce(total, group=group)  # 2: the sum of exponentials over the vocabulary
         valid = target != ignore_index
         # the target's column in this rank's shard, where it lies in it (the offset as a tensor made from the logits:
         # one rank's number under torch's one-process simulation of ranks, where a plain int could not be)
         local = target - logits.new_full((), start, dtype=target.dtype)
         here = valid & (local >= 0) & (local < logits.shape[-1])
         column = torch.where(here, local, torch.zeros_like(local))
-        picked = shifted.gather(-1, column.unsqueeze(-1)).squeeze(-1) * here
+        picked = shifted.gather(-1, column.unsqueeze(-1)).squeeze(-1) * here  # read before exp_ overwrites it
+        # in place: the logits and one (M, V / tp) copy at once, not two (the same numbers as an exp() beside it)
+        exp = shifted.exp_()
+        total = exp.sum(-1)
+        dist.all_reduce(total, group=group)  # 2: the sum of exponentials over the vocabulary
         dist.all_reduce(picked, group=group)  # 3: the target's logit, found on one rank
         ctx.save_for_backward(exp, total, column, here, valid)
         return torch.where(valid, total.log() - picked, torch.zeros_like(picked))
@@ -41,7 +42,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp, total, column, here, valid = ctx.saved_tensors
         softmax = exp / total.unsqueeze(-1)
         softmax.scatter_add_(-1, column.unsqueeze(-1), -here.to(softmax.dtype).unsqueeze(-1))
-        return softmax * (grad * valid).unsqueeze(-1), None, None, None, None
+        # in place: the saved exponentials and one (M, V / tp) copy at once, not two
+        return softmax.mul_((grad * valid).unsqueeze(-1)), None, None, None, None
 
 
 def sharded_class_dim(input: torch.Tensor) -> int | None:
