@@ -1,6 +1,6 @@
 """Values between traced pipeline stages that depend on no trained parameter (a Llama's RoPE cos / sin, a float mask
 made from token ids, positions from a buffer) enter each stage detached: even fed as every float input requiring a
-gradient (torch 2.11 / 2.12's receive buffers, the dry run), a stage saves nothing for them and gives them no
+gradient (torch 2.11's receive buffers, the dry run), a stage saves nothing for them and gives them no
 gradient, and hands them on without one. In one process."""
 
 from __future__ import annotations

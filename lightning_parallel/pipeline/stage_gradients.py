@@ -3,8 +3,8 @@ a floating network input). Decided once per split from the traced network's forw
 
 RoPE's cos / sin (from a buffer and position ids), a float mask made from token ids, positions from a buffer: none
 depends on a parameter, so a stage takes them detached (`chain.to_chain_stage`) and nothing saves its operands for a
-backward, or computes a gradient for it, whatever `requires_grad` the stage's receive buffer has (torch 2.11 and 2.12
-make every floating one require grad; 2.13 does what stage 0's output had). No devices, no process groups here.
+backward, or computes a gradient for it, whatever `requires_grad` the stage's receive buffer has (torch 2.11 and the
+dry run make every floating one require grad; 2.13 does as stage 0's output had). No devices, no process groups here.
 """
 
 from __future__ import annotations
