@@ -73,7 +73,7 @@ class PositionsAndMask(nn.Module):
         return h
 
 
-def test_a_float_mask_and_buffer_positions_need_no_gradient_and_a_frozen_embedding_hands_on_none() -> None:
+def test_a_float_mask_and_buffer_positions_need_no_gradient_and_a_frozen_embedding_still_hands_on_one() -> None:
     torch.manual_seed(0)
     network = PositionsAndMask()
     x = torch.randint(0, 10, (3, 5))
@@ -84,7 +84,8 @@ def test_a_float_mask_and_buffer_positions_need_no_gradient_and_a_frozen_embeddi
     fed, out = stage_step(stages[1], received)
     assert fed[0].grad is not None and fed[1].grad is None and fed[2].grad is None, "the mask or positions got one"
     assert [(tuple(t.shape), t.requires_grad) for t in out] == [((3, 5, 1), False), ((5, 8), False), ((3, 5, 8), True)]
-    network.embed.requires_grad_(False)  # nothing before stage 1 trains: its hidden states need no gradient either
+    network.embed.requires_grad_(False)  # frozen when split: unfrozen later, it must still get its gradient
     stages = TracedNetwork(network, x).stage_modules(split, [1], x, network)
     fed, out = stage_step(stages[1], received)
-    assert all(t.grad is None for t in fed) and network.blocks[0].weight.grad is not None
+    assert fed[0].grad is not None and fed[1].grad is None and fed[2].grad is None, "a frozen layer's output cut"
+    assert not network.embed.weight.requires_grad  # left as the user set it

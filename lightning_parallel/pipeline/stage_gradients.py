@@ -1,5 +1,5 @@
-"""Which values crossing traced pipeline stages need a gradient: those computed from a parameter that requires one (or
-a floating network input). Decided once per split from the traced network's forward, run on the meta device.
+"""Which values crossing traced pipeline stages need a gradient: those computed from a parameter (frozen or not: it may
+be unfrozen later) or a floating network input. Decided once per split from the traced network's forward, on meta.
 
 RoPE's cos / sin (from a buffer and position ids), a float mask made from token ids, positions from a buffer: none
 depends on a parameter, so a stage takes them detached (`chain.to_chain_stage`) and nothing saves its operands for a
@@ -31,14 +31,22 @@ class _Recorder(fx.Interpreter):
 
 def needing_gradient(split_module: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> frozenset[str]:
     """Names of the values of torch's split graph (``Pipe.split_gm``: its placeholders, stage calls and their items, as
-    `chain.StageFlow` names them) that may require a gradient: computed from a parameter that requires one (as
-    traced: a frozen embedding's output needs none) or from a floating network input (chained stages differentiate
-    like the network for a caller whose inputs require one; a pipeline's batch does not). Runs the graph on meta
-    tensors shaped like ``inputs``; autograd decides, so integer and boolean results never need one.
+    `chain.StageFlow` names them) that may require a gradient: computed from any floating parameter (a frozen one
+    too: a user may unfreeze it after the split, and a value decided here as needing none would then silently cut
+    its gradient) or from a floating network input (chained stages differentiate like the network for a caller
+    whose inputs require one; a pipeline's batch does not). Runs the graph on meta tensors shaped like ``inputs``;
+    autograd decides, so integer and boolean results never need one.
     """
     recorder = _Recorder(split_module)
-    with torch.enable_grad():
-        recorder.run(*(torch.zeros_like(t, device="meta").requires_grad_(t.is_floating_point()) for t in inputs))
+    frozen = [p for p in split_module.parameters() if p.is_floating_point() and not p.requires_grad]
+    try:
+        for parameter in frozen:
+            parameter.requires_grad_(True)
+        with torch.enable_grad():
+            recorder.run(*(torch.zeros_like(t, device="meta").requires_grad_(t.is_floating_point()) for t in inputs))
+    finally:
+        for parameter in frozen:
+            parameter.requires_grad_(False)
     return frozenset(recorder.needing)
 
 
