@@ -9,11 +9,14 @@ neighbours only. Pure graph surgery: no tracing, no parameters, no devices.
 from __future__ import annotations
 
 import operator
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
+
+from lightning_parallel.pipeline.stage_gradients import no_gradient
 
 
 @dataclass(frozen=True)
@@ -95,16 +98,19 @@ def to_chain_stage(
     outputs: list[str] | None,
     out_spec: pytree.TreeSpec | None,
     scalars: frozenset[int] = frozenset(),
+    detached: Collection[str] = (),
 ) -> fx.GraphModule:
     """Rewrite one traced stage, in place, to take ``flow.live_in`` and return ``flow.live_out``.
 
-    Values only passed through come back as the very input tensors (autograd routes their gradient through
-    unchanged). Every input's gradient and every value handed to the next stage is made contiguous
-    (`contiguous_gradient`, `contiguous`): stages exchange them through gloo / NCCL, which take contiguous tensors
-    only. With ``outputs`` (the last stage) it returns the network's output tensors instead: the tensor when
-    ``out_spec`` is a single tensor, else their flat tuple, which ``rebuild_output`` turns back into the network's
-    own structure. The outputs at the ``scalars`` indices (a loss) leave as shape (1,): a forward-only schedule
-    concatenates each output over micro-batches, which a 0-d tensor does not allow.
+    Values only passed through come back as the input tensors (autograd routes their gradient through unchanged).
+    The inputs named in ``detached`` (no gradient needed: `stage_gradients.needing_gradient`) are detached first: the
+    stage saves nothing for their backward, computes no gradient for them and hands them on without one. Every other
+    input's gradient and every value handed to the next stage is made contiguous (`contiguous_gradient`,
+    `contiguous`): stages exchange them through gloo / NCCL, which take contiguous tensors only. With ``outputs``
+    (the last stage) it returns the network's output tensors instead: the tensor when ``out_spec`` is a single
+    tensor, else their flat tuple, which ``rebuild_output`` turns back into the network's own structure. The outputs
+    at the ``scalars`` indices (a loss) leave as shape (1,): a forward-only schedule concatenates each output over
+    micro-batches, which a 0-d tensor does not allow.
     """
     graph = module.graph
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]
@@ -127,7 +133,10 @@ def to_chain_stage(
                 value_node[name] = graph.placeholder(f"carry_{name}")
         body.prepend(value_node[name])  # placeholders in live_in order
     for name in flow.live_in:
-        _wrap_uses(graph, value_node[name], contiguous_gradient, before=body)
+        if name in detached:  # handed on detached too: the next stage gives it no gradient either
+            value_node[name] = _wrap_uses(graph, value_node[name], no_gradient, before=body)
+        else:
+            _wrap_uses(graph, value_node[name], contiguous_gradient, before=body)
     output = graph.output_node()
     produced = output.args[0]
     for name, index in flow.results.items():
@@ -149,11 +158,12 @@ def to_chain_stage(
     return module
 
 
-def _wrap_uses(graph: fx.Graph, node: fx.Node, function: object, *, before: fx.Node) -> None:
-    """Route every use of `node` through `function(node)`, inserted before `before`."""
+def _wrap_uses(graph: fx.Graph, node: fx.Node, function: object, *, before: fx.Node) -> fx.Node:
+    """Route every use of `node` through `function(node)`, inserted before `before`; returns that call."""
     with graph.inserting_before(before):
         wrapped = graph.call_function(function, (node,))  # type: ignore[arg-type]
     node.replace_all_uses_with(wrapped, delete_user_cb=lambda user: user is not wrapped)
+    return wrapped
 
 
 class _ContiguousGradient(torch.autograd.Function):

@@ -25,6 +25,7 @@ from lightning_parallel.pipeline.balance import split_explicit
 from lightning_parallel.pipeline.call import NetworkCall
 from lightning_parallel.pipeline.chain import rebuild_output, retarget_device, stage_flows, to_chain_stage
 from lightning_parallel.pipeline.rebind import canonical_names, meta_copy, rebind, shared_copy, tensor_aliases
+from lightning_parallel.pipeline.stage_gradients import needing_gradient
 from lightning_parallel.pipeline.trace_errors import check_boundary, explain_failure
 from lightning_parallel.pipeline.traced_blocks import find_blocks, flop_costs, outside_blocks, prune_children
 from lightning_parallel.pipeline.traced_constants import constant_values, fill_constants, traced_constants
@@ -185,13 +186,19 @@ class TracedNetwork:
             pipe = self._trace(inputs, [stage[0] for stage in split[1:]], modes)
             flows, outputs = stage_flows(pipe.split_gm.graph)
             self._refuse_passed_integers(pipe.split_gm.graph, inputs, flows)
+            for index in range(len(flows)):
+                after = split[index + 1][0] if index + 1 < len(flows) else None
+                check_boundary(pipe.get_stage_module(index), self._name, after)
+            needing = needing_gradient(pipe.split_gm, inputs)  # stages that run, before they are rewritten in place
             chain = []
             for index, flow in enumerate(flows):
                 module = pipe.get_stage_module(index)
-                check_boundary(module, self._name, split[index + 1][0] if index + 1 < len(flows) else None)
                 last = index == len(flows) - 1
                 final = outputs if last else None
-                to_chain_stage(module, flow, outputs=final, out_spec=self._out_spec, scalars=self._scalars)
+                to_chain_stage(
+                    module, flow, outputs=final, out_spec=self._out_spec, scalars=self._scalars,
+                    detached=set(flow.live_in) - needing,
+                )  # fmt: skip
                 if device is not None and device.type != "meta":
                     retarget_device(module, device)
                     fill_constants(module, self._constants, device, f"{self._name} stage {index}")
