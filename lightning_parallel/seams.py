@@ -179,6 +179,22 @@ def fused_steps_on_dtensor() -> None:
 
 
 @contextlib.contextmanager
+def as_traced() -> Iterator[None]:
+    """A forward run as the pipeline's trace (torch.export) ran it, so an analysis sees what traced stages hold:
+    `torch.compiler.is_compiling()` and `is_exporting()` are True, set by torch's own `_compiling_state_context`
+    (private). Models branch on them: transformers then builds its causal mask (B, 1, T, T) instead of asking
+    attention for `is_causal`, so it repeats grouped key / value heads, and each attention keeps a float copy of the
+    mask (16 MiB a sequence of 2,048 tokens, per layer, whole on every tensor rank)."""
+    try:
+        from torch._export.utils import _compiling_state_context
+    except ImportError as error:
+        why = "analyse a network as its traced pipeline stages run"
+        raise changed("torch", "torch._export.utils._compiling_state_context", why) from error
+    with _compiling_state_context():
+        yield
+
+
+@contextlib.contextmanager
 def transformer_masks_as_given() -> Iterator[None]:
     """While torch traces a network: torch's `nn.TransformerEncoder` / `nn.TransformerDecoder` take an attention mask
     as given instead of comparing its values with a causal mask (`_detect_is_causal_mask`, a branch on data the tracer

@@ -10,9 +10,9 @@ trace runs it (`as_traced`). It times nothing and sets nothing up.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.planner.analysis import _ShardTracker, tp_modulus
 from lightning_parallel.planner.workload import Block, Workload, human_count
-from lightning_parallel.seams import changed
+from lightning_parallel.seams import as_traced
 from lightning_parallel.tensor.sharded_logits import vocab_heads
 
 
@@ -104,7 +104,7 @@ def workload_from_call(
         handles = [h for _, m in units for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
         tracker = _ShardTracker(dict(meta.named_modules()), dict(styles))
         try:
-            with tracker, FlopCounterMode(display=False) as flops, as_traced() if traced else contextlib.nullcontext():
+            with tracker, FlopCounterMode(display=False) as flops, as_traced() if traced else nullcontext():
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                     meta(*fake, **fake_kwargs)
         finally:
@@ -117,22 +117,6 @@ def workload_from_call(
     total = sum(b.params for b in blocks)
     label = name or f"{type(network).__name__} ({human_count(total)} parameters)"
     return Workload(name=label, blocks=tuple(blocks), tp_modulus=tp_modulus(network, styles))
-
-
-@contextlib.contextmanager
-def as_traced() -> Iterator[None]:
-    """The forward runs as the pipeline's trace (torch.export) ran it, so the analysis sees what traced stages hold:
-    `torch.compiler.is_compiling()` and `is_exporting()` are True, set by torch's own `_compiling_state_context`
-    (private). Models branch on them: transformers then builds its causal mask (B, 1, T, T) instead of asking
-    attention for `is_causal`, so it repeats grouped key / value heads, and each attention keeps a float copy of the
-    mask (16 MiB a sequence of 2,048 tokens, per layer, whole on every tensor rank)."""
-    try:
-        from torch._export.utils import _compiling_state_context
-    except ImportError as error:
-        why = "analyse a network as its traced pipeline stages run"
-        raise changed("torch", "torch._export.utils._compiling_state_context", why) from error
-    with _compiling_state_context():
-        yield
 
 
 def _block(
