@@ -1,7 +1,8 @@
-"""Attention inside traced stages at tp2, simulated in one process (LocalTensorMode): q, k and v split by heads run on
-each rank's own heads (grouped-query, causal, masks broadcast over heads or one per head) with one device's output
-and gradients, the output left split by heads; anything else runs whole; a packed q | k | v splits into its blocks
-without a gather; a traced GPT-2 (its packed c_attn) at pp2 x tp2 gathers nothing in forward and is one device's."""
+"""Attention inside traced stages at tp2 and tp8, simulated in one process (LocalTensorMode): q, k and v split by heads
+run on each rank's own heads (grouped-query, causal, masks broadcast over heads or one per head) with one device's
+output and gradients, the output left split by heads; anything else runs whole; a packed q | k | v splits into its
+blocks without a gather; a traced GPT-2 (its packed c_attn) at pp2 x tp2 gathers nothing in forward and is one
+device's."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ from lightning_parallel.tensor.traced_attention import attention, split_packed  
 B, T, D = 2, 6, 8
 
 
-def _mesh() -> Any:
-    return torch.distributed.device_mesh.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+def _mesh(size: int = 2) -> Any:
+    return torch.distributed.device_mesh.init_device_mesh("cpu", (size,), mesh_dim_names=("tp",))
 
 
 def _gap(value: DTensor, expected: torch.Tensor) -> float:
@@ -35,27 +36,30 @@ def _gap(value: DTensor, expected: torch.Tensor) -> float:
     return max(float((held - expected).abs().max()) for held in gathered._local_tensors.values())  # type: ignore[attr-defined]
 
 
-CASES = {  # name: (query heads, key / value heads, mask shape or None, keywords)
-    "grouped-query causal": (4, 2, None, {"is_causal": True, "enable_gqa": True}),
-    "mask broadcast over heads": (4, 4, (B, 1, T, T), {}),
-    "mask per head": (4, 4, (B, 4, T, T), {"scale": 0.3}),
+CASES = {  # name: (tensor-parallel degree, query heads, key / value heads, mask shape or None, keywords)
+    "grouped-query causal": (2, 4, 2, None, {"is_causal": True, "enable_gqa": True}),
+    "mask broadcast over heads": (2, 4, 4, (B, 1, T, T), {}),
+    "mask per head": (2, 4, 4, (B, 4, T, T), {"scale": 0.3}),
+    # Llama-3-70B's grouping at tp 8: 64 query heads over 8 key / value heads -> 8 and 1 per rank (here 16 over 8)
+    "grouped-query causal at tp8": (8, 16, 8, None, {"is_causal": True, "enable_gqa": True}),
+    "mask broadcast over heads at tp8": (8, 16, 8, (B, 1, T, T), {"enable_gqa": True}),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_attention_split_by_heads_runs_on_each_ranks_heads_as_one_device(case: str) -> None:
-    heads, kv_heads, mask_shape, keywords = CASES[case]
+    size, heads, kv_heads, mask_shape, keywords = CASES[case]
     generator = torch.Generator().manual_seed(0)
     whole = [torch.randn(B, n, T, D, generator=generator, requires_grad=True) for n in (heads, kv_heads, kv_heads)]
     mask = torch.randn(mask_shape, generator=generator, requires_grad=True) if mask_shape else None
     expected = F.scaled_dot_product_attention(*whole, attn_mask=mask, **keywords)
     expected.square().sum().backward()
-    with simulated_ranks(2):
-        mesh = _mesh()
+    with simulated_ranks(size):
+        mesh = _mesh(size)
         qkv = [distribute_tensor(t.detach(), mesh, [Shard(1)]).requires_grad_() for t in whole]
         placed = distribute_tensor(mask.detach(), mesh, [Replicate()]).requires_grad_() if mask is not None else None
         out = attention(*qkv, placed, **keywords)
-        assert out.placements == (Shard(1),) and out.to_local().shape == (B, heads // 2, T, D), out
+        assert out.placements == (Shard(1),) and out.to_local().shape == (B, heads // size, T, D), out
         assert out.stride() == expected.stride()  # as one device's: its transpose and reshape copy nothing
         out.square().sum().backward()
         assert _gap(out, expected.detach()) < 1e-6
