@@ -11,7 +11,9 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor
+
+from lightning_parallel.tensor.packed import splits_a_dimension
 
 # torch optimizers whose update DTensor cannot run on a sharded parameter, why, and the first torch that can (None:
 # none of 2.11 to 2.15). Rprop's masked write (index_put_) runs on shards from torch 2.15 on.
@@ -90,18 +92,13 @@ class OptimizerRefused(ValueError):
     same_on_every_rank = True
 
 
-def _along_a_dimension(placement: Placement) -> bool:
-    return not (placement.is_replicate() or placement.is_partial())
-
-
 def refuse_unsteppable(optimizer: torch.optim.Optimizer) -> None:
     """One line, before the first step, for an optimizer listed in CANNOT_STEP_SHARDS over sharded parameters
     (DTensor would stop it mid-step, on every rank, with an error about placements)."""
     listed = (n for n in CANNOT_STEP_SHARDS if _refused_here(n))
     name = next((n for n in listed if isinstance(optimizer, getattr(torch.optim, n, ()))), None)
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    # split along a dimension: a Shard, or an interleaved q | k | v `_StridedShard` (no Shard in torch 2.13)
-    sharded = [p for p in params if isinstance(p, DTensor) and any(_along_a_dimension(s) for s in p.placements)]
+    sharded = [p for p in params if isinstance(p, DTensor) and any(splits_a_dimension(s) for s in p.placements)]
     if name is not None and sharded:
         raise OptimizerRefused(
             f"torch.optim.{name} cannot update tensor-parallel (sharded) parameters: "

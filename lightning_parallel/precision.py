@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Placement, Replicate
 from typing_extensions import override
 
 from lightning_parallel.seams import found_inf_flags
+from lightning_parallel.tensor.packed import splits_a_dimension
 
 
 def clip_grad_norm_global(
@@ -61,7 +62,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def _dtensor_squares(grads: list[DTensor], device: torch.device) -> torch.Tensor:
     """Sum of squares of DTensor gradients over their whole meshes, each element counted once."""
     total = torch.zeros((), dtype=torch.float32, device=device)
-    by_layout: dict[tuple[object, tuple[object, ...]], list[DTensor]] = {}
+    by_layout: dict[tuple[Any, tuple[Placement, ...]], list[DTensor]] = {}
     for g in grads:
         if any(p.is_partial() for p in g.placements):  # pending sums: reduce before squaring
             g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
@@ -71,9 +72,8 @@ def _dtensor_squares(grads: list[DTensor], device: torch.device) -> torch.Tensor
         for g in members:
             squares += g.to_local().detach().float().pow(2).sum()
         for dim, placement in enumerate(placements):
-            # Not `is_shard()`: FSDP2 x TP uses _StridedShard, which is no Shard in torch 2.13.
-            if not placement.is_replicate() and mesh.size(dim) > 1:  # type: ignore[attr-defined]
-                dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))  # type: ignore[attr-defined]
+            if splits_a_dimension(placement) and mesh.size(dim) > 1:
+                dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
         total += squares
     return total
 

@@ -144,3 +144,13 @@ def test_every_optimizer_steps_shards_exactly_or_is_refused_in_one_line(mesh: An
         refuse_unsteppable(getattr(torch.optim, name)(parameters(mesh, "pir"), lr=0.1))
     refuse_unsteppable(getattr(torch.optim, name)(parameters(mesh, "pr"), lr=0.1))  # nothing sharded: it steps
     getattr(torch.optim, name)(parameters(mesh, "pr"), lr=0.1).step()
+
+
+def test_a_split_dimension_is_a_shard_or_an_interleaved_shard() -> None:
+    """One predicate for "ranks hold different parts": `_StridedShard` is no `Shard` subclass in torch 2.13."""
+    from torch.distributed.tensor import Partial
+
+    from lightning_parallel.tensor.packed import splits_a_dimension
+
+    assert splits_a_dimension(Shard(1)) and splits_a_dimension(_StridedShard(0, split_factor=3))
+    assert not splits_a_dimension(Replicate()) and not splits_a_dimension(Partial())

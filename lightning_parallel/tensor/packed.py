@@ -22,7 +22,13 @@ from torch.utils import _pytree as pytree
 from lightning_parallel.tensor.local_output import own_local
 from lightning_parallel.tensor.transposed_linear import Conv1D
 
-__all__ = ["PackedColwiseParallel", "copy_back", "savable"]
+__all__ = ["PackedColwiseParallel", "copy_back", "savable", "splits_a_dimension"]
+
+
+def splits_a_dimension(placement: Placement) -> bool:
+    """Whether ranks hold different parts of a dimension: a `Shard`, or the interleaved `_StridedShard` of a packed
+    q | k | v or of FSDP2 over tensor parallelism, no `Shard` subclass in torch 2.13 (`is_shard()` misses it)."""
+    return isinstance(placement, Shard | _StridedShard)
 
 
 class PackedColwiseParallel(ParallelStyle):

@@ -9,15 +9,15 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from lightning_parallel.tensor.packed import splits_a_dimension
 
 aten = torch.ops.aten
 
 
 def sharded(tensor: Any) -> bool:
-    """Whether `tensor` is a DTensor split along some dimension (a planned layer's weight), an interleaved q | k | v
-    shard too (torch 2.13's `_StridedShard` is no `Shard`)."""
-    return isinstance(tensor, DTensor) and any(isinstance(p, Shard | _StridedShard) for p in tensor.placements)
+    """Whether `tensor` is a DTensor split along some dimension (a planned layer's weight, packed q | k | v too)."""
+    return isinstance(tensor, DTensor) and any(splits_a_dimension(p) for p in tensor.placements)
 
 
 def head_linear(input: Any, weight: Any, bias: Any = None) -> Any:
