@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import ROOT, LoadMeter, children_cpu_s, machine, one_line, run, write_results
+from harness import ROOT, one_line, run, write_results
+from timing import LoadMeter, children_cpu_s, machine
 
 STRATEGIES = {  # name -> train.py overrides; every one runs on 2 CPU processes
     "pipeline": ["strategy=pipeline"],  # pp2, 1f1b, 4 micro-batches

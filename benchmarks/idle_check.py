@@ -25,8 +25,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from harness import LoadMeter, arguments, counts, launch, machine, order, worker_setup, write_results
+from harness import arguments, counts, launch, worker_setup, write_results
 from ranks import bare_trainer
+from timing import LoadMeter, machine, order
 from torch.distributed.pipelining import schedules
 from torch.profiler import ProfilerActivity, profile, record_function
 

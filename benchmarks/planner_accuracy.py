@@ -30,10 +30,11 @@ from typing import Any
 
 import numpy
 import torch
-from harness import ROOT, machine, other_cores, steady, train_py, write_results
+from harness import ROOT, train_py, write_results
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from timing import machine, other_cores, steady
 
 sys.path.insert(0, str(ROOT))
 

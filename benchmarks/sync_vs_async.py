@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import RESULTS, ROOT, machine, train_py, write_results
+from harness import RESULTS, ROOT, train_py, write_results
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from timing import machine
 
 from lightning_parallel.sync_methods import SYNC_METHODS
 

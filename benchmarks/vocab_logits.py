@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 from causal_lm import CausalLM
-from harness import ROOT, machine, write_results
+from harness import ROOT, write_results
+from timing import machine
 
 sys.path.insert(0, str(ROOT))
 
