@@ -155,6 +155,14 @@ def worker_setup(timeout: timedelta = timedelta(minutes=5), backend: str = "gloo
     return dist.get_rank()
 
 
+def worker_done(out: Path, rank: int, result: Any) -> None:
+    """In a launched rank, last: write what it measured where `launch` reads it, and leave the process group."""
+    import torch.distributed as dist
+
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
 def quiet() -> None:
     """Warnings and Lightning's info lines off: a benchmark's output is its own progress lines."""
     warnings.filterwarnings("ignore")

@@ -12,7 +12,6 @@ Usage: .venv/bin/python benchmarks/idle_check.py [--warmup 3 --steps 4 --after 4
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from datetime import datetime
@@ -23,7 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from harness import arguments, counts, launch, worker_setup, write_results
+from harness import arguments, counts, launch, worker_done, worker_setup, write_results
 from idle_check_report import aggregate, markdown
 from idle_check_trace import LOSS, STEP, WAIT, breakdown
 from ranks import bare_trainer
@@ -156,8 +155,7 @@ def worker(out: Path, args: argparse.Namespace) -> None:
             runs.append(
                 {"case": name, "schedule": schedule, "repeat": repeat, **measure_case(model, schedule, meter, args)}
             )
-    (out / f"rank{rank}.json").write_text(json.dumps(runs))
-    dist.destroy_process_group()
+    worker_done(out, rank, runs)
 
 
 def measure_case(model: str, schedule: str, meter: LoadMeter, args: argparse.Namespace) -> dict[str, Any]:

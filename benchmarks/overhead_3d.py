@@ -12,7 +12,6 @@ Usage: .venv/bin/python benchmarks/overhead_3d.py [--steps 8 --warmup 2 --repeat
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -22,7 +21,7 @@ import lightning.pytorch as pl
 import overhead
 import torch
 import torch.distributed as dist
-from harness import worker_setup
+from harness import worker_done, worker_setup
 from overhead_3d_report import markdown, summarise
 from overhead_gpt import LR, MODEL, MinimalTask, build_network, lm_loss, make_batches, megatron_plan, parameter_bytes
 from pipeline_overhead import PROBE, probe_schedules
@@ -150,8 +149,7 @@ def worker(out: Path, args: argparse.Namespace) -> None:
             runs.append({"kind": kind, "schedule": SCHEDULE, "microbatches": MICROBATCHES, "repeat": rep, **result})
             dist.barrier()
         print(f"rank {rank}: repeat {rep + 1}/{args.repeats} done", flush=True)
-    (out / f"rank{rank}.json").write_text(json.dumps(runs))
-    dist.destroy_process_group()
+    worker_done(out, rank, runs)
 
 
 if __name__ == "__main__":

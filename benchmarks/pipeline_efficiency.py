@@ -11,7 +11,6 @@ Usage: .venv/bin/python benchmarks/pipeline_efficiency.py [--steps 10 --warmup 3
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections import OrderedDict
@@ -23,7 +22,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import arguments, counts, launch, worker_setup, write_results
+from harness import arguments, counts, launch, worker_done, worker_setup, write_results
 from pipeline_overhead import BATCH, BLOCKS, LR, RegressionTask, build_network, make_batches
 from ranks import bare_trainer, batch_loader
 from timing import LoadMeter, machine, order, stats_ms
@@ -89,8 +88,7 @@ def worker(out: Path, args: argparse.Namespace) -> None:
             dist.all_gather_object(own, run["own_cpu_s"])
             run["other_load_cores"] = meter.other_cores(sum(own))
             runs.append({"schedule": schedule, "microbatches": m, "repeat": rep, **run})
-    (out / f"rank{rank}.json").write_text(json.dumps(runs))
-    dist.destroy_process_group()
+    worker_done(out, rank, runs)
 
 
 # ---- in the main process: compute costs, launch, compare --------------------------------------------------------

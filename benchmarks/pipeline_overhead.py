@@ -9,7 +9,6 @@ not use tests/. Usage: .venv/bin/python benchmarks/pipeline_overhead.py [--steps
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -20,7 +19,7 @@ import overhead
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import worker_setup
+from harness import worker_done, worker_setup
 from pipeline_overhead_report import critical_path, markdown, summarise
 from ranks import bare_trainer, batch_loader
 from timing import Usage, order
@@ -199,8 +198,7 @@ def worker(out: Path, args: argparse.Namespace) -> None:
                 runs[-1].update(run(schedule, m, state, batches, total))
                 dist.barrier()
         print(f"rank {rank}: repeat {rep + 1}/{args.repeats} done", flush=True)
-    (out / f"rank{rank}.json").write_text(json.dumps(runs))
-    dist.destroy_process_group()
+    worker_done(out, rank, runs)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import argparse
 import ctypes
 import functools
 import gc
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import lightning.pytorch as pl
 import overhead
 import torch
 import torch.distributed as dist
-from harness import worker_setup
+from harness import worker_done, worker_setup
 from overhead_gpt import LR, MODEL, MinimalTask, build_network, lm_loss, make_batches, megatron_plan, parameter_bytes
 from ranks import bare_trainer, batch_loader
 from tensor_overhead_report import WINDOWS, critical_path, markdown, summarise
@@ -128,14 +127,14 @@ class StepTimer(pl.Callback):
         PROBE.marks["loss"].append(float(outputs["loss"]))
 
 
-def run_handwritten(state: dict, batches: list, total: int, mesh: DeviceMesh) -> dict[str, Any]:
-    network = PROBE.watch(build_network(state))
-    parallelize_module(network, mesh, megatron_plan(), src_data_rank=None)  # same weights on every rank already
+def plain_loop(network: nn.Module, batches: list, total: int, *, barrier: bool) -> dict[str, Any]:
+    """Each step: forward, cross-entropy, backward, step, zero_grad; a barrier first when ranks run together."""
     optimizer = torch.optim.SGD(network.parameters(), lr=LR)
     PROBE.reset()
     for i in range(total):
         x, y = batches[i % len(batches)]
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         PROBE.mark("start")
         loss = lm_loss(network(x), y)
         loss.backward()
@@ -144,6 +143,12 @@ def run_handwritten(state: dict, batches: list, total: int, mesh: DeviceMesh) ->
         PROBE.mark("end")
         PROBE.marks["loss"].append(loss.item())
     return PROBE.result(network)
+
+
+def run_handwritten(state: dict, batches: list, total: int, mesh: DeviceMesh) -> dict[str, Any]:
+    network = PROBE.watch(build_network(state))
+    parallelize_module(network, mesh, megatron_plan(), src_data_rank=None)  # same weights on every rank already
+    return plain_loop(network, batches, total, barrier=True)
 
 
 def run_strategy(kind: str, state: dict, batches: list, total: int) -> dict[str, Any]:
@@ -164,19 +169,7 @@ def run_strategy(kind: str, state: dict, batches: list, total: int) -> dict[str,
 
 def run_single(state: dict, batches: list, total: int) -> dict[str, Any]:
     """One process, whole model, plain loop: forward, loss, backward, optimizer.step, zero_grad."""
-    network = PROBE.watch(build_network(state))
-    optimizer = torch.optim.SGD(network.parameters(), lr=LR)
-    PROBE.reset()
-    for i in range(total):
-        x, y = batches[i % len(batches)]
-        PROBE.mark("start")
-        loss = lm_loss(network(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        PROBE.mark("end")
-        PROBE.marks["loss"].append(loss.item())
-    return PROBE.result(network)
+    return plain_loop(PROBE.watch(build_network(state)), batches, total, barrier=False)
 
 
 def worker(out: Path, args: argparse.Namespace) -> None:
@@ -198,8 +191,7 @@ def worker(out: Path, args: argparse.Namespace) -> None:
             runs.append({"kind": kind, "repeat": rep, **result})
             dist.barrier()
         print(f"rank {rank}: repeat {rep + 1}/{args.repeats} done", flush=True)
-    (out / f"rank{rank}.json").write_text(json.dumps(runs))
-    dist.destroy_process_group()
+    worker_done(out, rank, runs)
 
 
 if __name__ == "__main__":
