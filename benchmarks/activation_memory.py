@@ -16,10 +16,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from harness import ROOT, train_py, write_results
+from harness import ROOT, machine, train_py, write_results
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from timing import machine
 from torch.distributed._tools.mem_tracker import MemTracker
 
 sys.path.insert(0, str(ROOT))

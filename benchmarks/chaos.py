@@ -23,8 +23,8 @@ from typing import Any
 
 from chaos_killer import Kill, Killer, schedule
 from chaos_report import compare, table
-from harness import ROOT, one_line, run, write_results
-from timing import LoadMeter, children_cpu_s, machine
+from harness import ROOT, machine, one_line, run, write_results
+from timing import LoadMeter, children_cpu_s
 
 STRATEGIES = {  # name -> train.py overrides; every one runs on 2 CPU processes
     "pipeline": ["strategy=pipeline"],  # pp2, 1f1b, 4 micro-batches

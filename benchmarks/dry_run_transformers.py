@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 from causal_lm import CausalLM
-from harness import ROOT, write_results
-from timing import machine
+from harness import ROOT, machine, write_results
 
 sys.path.insert(0, str(ROOT))
 

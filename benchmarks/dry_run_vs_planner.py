@@ -15,8 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import ROOT, THREADS_ENV, one_line, run, write_results
-from timing import machine
+from harness import ROOT, THREADS_ENV, machine, one_line, run, write_results
 
 GPT_8B = ["model=transformer", "model.depth=32", "model.width=4096", "model.heads=32"]
 GPT_66B = ["model=transformer", "model.depth=80", "model.width=8192", "model.heads=64"]

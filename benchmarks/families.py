@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import RESULTS, ROOT, one_line, quiet, write_results
-from timing import machine
+from harness import RESULTS, ROOT, machine, one_line, quiet, write_results
 
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "workers")]
 from distributed import run_workers  # noqa: E402

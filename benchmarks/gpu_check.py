@@ -25,10 +25,9 @@ import torch
 from gpu_check_pytest import pytest_part
 from gpu_check_report import markdown, summary_lines
 from gpu_throughput import measure, summarise
-from harness import RESULTS, error_line, write_results
+from harness import RESULTS, error_line, machine, write_results
 from shared_device import LAYOUTS, TOLERANCE, parity, run_layout
 from throughput_runs import RUNS, WORKLOADS
-from timing import machine
 
 from lightning_parallel.planner import CostModel, Layout, workload_from_module
 from lightning_parallel.planner.presets import hardware_preset

@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -30,6 +31,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 THREADS_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # one torch thread per process, output unbuffered
+
+
+def machine() -> str:
+    """e.g. 'x86_64, 2 CPUs, torch 2.13.0+cpu': the machine a results file was measured on."""
+    return f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
 
 
 # ---- a case in its own process ------------------------------------------------------------------------------------

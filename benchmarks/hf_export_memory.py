@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import ROOT, THREADS_ENV, one_line, write_results
-from timing import machine
+from harness import ROOT, THREADS_ENV, machine, one_line, write_results
 
 sys.path.insert(0, str(ROOT))
 

@@ -22,11 +22,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from harness import arguments, counts, launch, worker_done, worker_setup, write_results
+from harness import arguments, counts, launch, machine, worker_done, worker_setup, write_results
 from idle_check_report import aggregate, markdown
 from idle_check_trace import LOSS, STEP, WAIT, breakdown
 from ranks import bare_trainer
-from timing import LoadMeter, machine, order
+from timing import LoadMeter, order
 from torch.distributed.pipelining import schedules
 from torch.profiler import ProfilerActivity, profile, record_function
 

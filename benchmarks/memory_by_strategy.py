@@ -11,10 +11,9 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from harness import ROOT, train_py, write_results
+from harness import ROOT, machine, train_py, write_results
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from timing import machine
 
 sys.path.insert(0, str(ROOT))
 

@@ -11,9 +11,8 @@ import time
 from typing import Any
 
 import torch
-from harness import write_results
+from harness import machine, write_results
 from memory_by_strategy import DATA, MODELS, RUN, STATE_KEYS, Layout, MiB, mib_span, run_train, train_overrides
-from timing import machine
 
 from lightning_parallel.models import GPT
 

@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning
-from harness import arguments, counts, launch, write_results
-from timing import machine
+from harness import arguments, counts, launch, machine, write_results
 
 TARGET = 0.05  # the strategy may cost at most 5% more per step than the hand-written loop
 QUIET = 0.1  # a run is quiet when other processes used less than this many cores during it

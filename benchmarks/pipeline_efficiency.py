@@ -22,10 +22,10 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import arguments, counts, launch, worker_done, worker_setup, write_results
+from harness import arguments, counts, launch, machine, worker_done, worker_setup, write_results
 from pipeline_overhead import BATCH, BLOCKS, LR, RegressionTask, build_network, make_batches
 from ranks import bare_trainer, batch_loader
-from timing import LoadMeter, machine, order, stats_ms
+from timing import LoadMeter, order, stats_ms
 from torch import nn
 
 from lightning_parallel import PipelineParallelStrategy

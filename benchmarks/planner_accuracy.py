@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import train_py
+from harness import machine, train_py
 from planner_accuracy_cases import CALIBRATION, LAYOUTS, MODELS, QUIET, WARMUP_STEPS, build, group_name
 from planner_accuracy_machine import adam_seconds_per_parameter, measure_contention, measure_network, time_blocks
 from planner_accuracy_report import write_report
 from planner_accuracy_solve import analyse
-from timing import machine, other_cores, steady
+from timing import other_cores, steady
 
 from lightning_parallel.planner import Layout
 from lightning_parallel.strategies.layouts import train_overrides

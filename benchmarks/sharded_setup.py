@@ -9,8 +9,7 @@ import argparse
 import time
 from typing import Any
 
-from harness import train_py, write_results
-from timing import machine
+from harness import machine, train_py, write_results
 
 MODEL = ["model=transformer", "model.depth=8", "model.width=256", "model.heads=8", "data=synthetic_tokens"]
 RUN = ["trainer.accelerator=cpu", "trainer.max_steps=1", "trainer.limit_val_batches=0", "callbacks=none", "~logger"]

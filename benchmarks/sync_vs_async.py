@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import ROOT, train_py
+from harness import ROOT, machine, train_py
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from sync_vs_async_cases import METHODS, PERIODS, RUN, SLOWDOWN, WORKLOADS, snapshot_schedule
 from sync_vs_async_report import write_report
-from timing import machine
 
 from lightning_parallel.sync_methods import SYNC_METHODS
 

@@ -1,13 +1,12 @@
-"""What a timing needs beside the run itself: the machine's name, the cores other processes kept busy (`LoadMeter`,
-`Usage`, `other_cores`), steady steps and robust summaries (`steady`, `stats_ms`, the `StepTimes` callback a train.py
-run gets), and repeats interleaved against drift (`order`). It starts no process: harness.py does.
+"""What a timing needs beside the run itself: the cores other processes kept busy (`LoadMeter`, `Usage`,
+`other_cores`), steady steps and robust summaries (`steady`, `stats_ms`, the `StepTimes` callback a train.py run gets),
+and repeats interleaved against drift (`order`). It starts no process (harness.py does) and names no machine.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import resource
 import statistics
 import time
@@ -16,17 +15,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import lightning.pytorch as pl
-import torch
 
 T = TypeVar("T")
 
 
-# ---- the machine: its name, other processes' load -------------------------------------------------------------------
-def machine() -> str:
-    """e.g. 'x86_64, 2 CPUs, torch 2.13.0+cpu'."""
-    return f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
-
-
+# ---- the machine: other processes' load -------------------------------------------------------------------
 def busy_cpu_seconds() -> float:
     """CPU seconds every process on the machine has spent busy since boot (Linux /proc/stat)."""
     fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
