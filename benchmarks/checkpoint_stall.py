@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from harness import arguments, interleaved, machine, other_cores, train_py, write_results
+from harness import arguments, machine, train_py, write_results
+from timing import interleaved, other_cores
 from typing_extensions import override
 
 # depth 4, width 256: 3.2 M parameters; with AdamW's two moments a checkpoint is ~37 MB (split over pp / tp ranks)

@@ -19,9 +19,10 @@ from typing import Any
 import lightning
 import torch
 from harness import arguments as harness_arguments
-from harness import counts, machine, order, run_case, stats_ms, write_case, write_results
+from harness import counts, machine, run_case, write_case, write_results
 from throughput_runs import RUNS, WORKLOADS
 from throughput_runs import run_case as measure_case
+from timing import order, stats_ms
 
 TARGET = 0.03  # a strategy at degree 1 may cost at most 3% more per step than Lightning's auto
 MFU_TARGET = 0.40  # compiled GPT-2 small on a GPU

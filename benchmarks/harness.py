@@ -1,6 +1,6 @@
 """The harness every benchmark here runs on: a case in its own process (`train.py` with overrides, the script's own
-`--case` mode, or its `--worker` mode on N ranks under torchrun), steady steps timed, other processes' load recorded,
-robust summaries, and `results/<name>.{json,md}`. A benchmark is then its cases and what it compares.
+`--case` mode, or its `--worker` mode on N ranks under torchrun), the command line and `results/<name>.{json,md}`;
+timing.py holds how steps are timed and others' load recorded. A benchmark is then its cases and what it compares.
 
 It knows no model, strategy or report layout. Imported by the scripts next to it (`python benchmarks/<name>.py` puts
 this folder on sys.path).
@@ -13,133 +13,29 @@ import json
 import logging
 import os
 import platform
-import resource
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import lightning.pytorch as pl
 import torch
+from timing import LoadMeter, children_cpu_s
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 THREADS_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # one torch thread per process, output unbuffered
-T = TypeVar("T")
 
 
-# ---- the machine: its name, other processes' load -------------------------------------------------------------------
 def machine() -> str:
-    """e.g. 'x86_64, 2 CPUs, torch 2.13.0+cpu'."""
+    """e.g. 'x86_64, 2 CPUs, torch 2.13.0+cpu': the machine a results file was measured on."""
     return f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
-
-
-def busy_cpu_seconds() -> float:
-    """CPU seconds every process on the machine has spent busy since boot (Linux /proc/stat)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
-
-
-def children_cpu_s() -> float:
-    """CPU seconds this process's finished children have used (all of them, since it started)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-class LoadMeter:
-    """Cores kept busy by processes other than ours between `start()` and `other_cores(own_cpu_s)`.
-
-    On a 2-core machine anything above ~0.1 core inflates and scatters every timing, so each result says it.
-    """
-
-    def start(self) -> None:
-        self._wall, self._busy = time.perf_counter(), busy_cpu_seconds()
-
-    def other_cores(self, own_cpu_s: float) -> float:
-        """`own_cpu_s`: CPU seconds our own processes used in the interval (all ranks together)."""
-        wall = time.perf_counter() - self._wall
-        return max(0.0, busy_cpu_seconds() - self._busy - own_cpu_s) / wall if wall > 0 else 0.0
-
-
-class Usage:
-    """Wall seconds, this process's CPU seconds and the whole machine's busy CPU seconds since `start()`: one rank's
-    record of a run; `other_cores` turns every rank's record into the cores other processes kept busy meanwhile."""
-
-    @staticmethod
-    def now() -> tuple[float, float, float]:
-        return time.perf_counter(), time.process_time(), busy_cpu_seconds()
-
-    def start(self) -> None:
-        self._then = self.now()
-
-    def totals(self) -> dict[str, float]:
-        wall, own, busy = (now - then for now, then in zip(self.now(), self._then, strict=True))
-        return {"run_wall_s": wall, "run_own_cpu_s": own, "run_machine_busy_s": busy}
-
-
-def other_cores(ranks: list[dict[str, Any]]) -> float:
-    """Cores other processes kept busy during a run, from each rank's `Usage.totals()` (all ranks started together)."""
-    own = sum(rank["run_own_cpu_s"] for rank in ranks)
-    return max(0.0, ranks[0]["run_machine_busy_s"] - own) / ranks[0]["run_wall_s"]
-
-
-# ---- timings ---------------------------------------------------------------------------------------------------
-def stats_ms(seconds: list[float]) -> dict[str, float]:
-    """Median and 10th/90th percentiles in milliseconds."""
-    ms = sorted(s * 1e3 for s in seconds)
-    if len(ms) < 2:
-        return {"median": ms[0], "p10": ms[0], "p90": ms[0], "n": len(ms)}
-    q = statistics.quantiles(ms, n=10, method="inclusive")
-    return {"median": statistics.median(ms), "p10": q[0], "p90": q[-1], "n": len(ms)}
-
-
-def steady(seconds: list[float], warmup: int) -> float:
-    """The steady step: the median after the first `warmup` steps (all of them when there are no more)."""
-    return statistics.median(seconds[warmup:] or seconds)
-
-
-class StepTimes(pl.Callback):
-    """Added to a train.py run (`train_py(..., step_times=True)`): per-step seconds, and the rank's `Usage` over fit,
-    written to `step_times_rank<r>.json` in the run directory, so the warm-up steps can be left out and runs disturbed
-    by other processes recognised (`other_cores`)."""
-
-    def __init__(self) -> None:
-        self.seconds: list[float] = []
-        self._start = 0.0
-        self._fit = Usage()
-
-    def on_fit_start(self, *args: Any) -> None:
-        self._fit.start()
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.seconds.append(time.perf_counter() - self._start)
-
-    def on_fit_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        path = Path(trainer.default_root_dir) / f"step_times_rank{trainer.global_rank}.json"
-        path.write_text(json.dumps({"seconds": self.seconds, **self._fit.totals()}))
-
-
-def order(repeat: int, items: list[T]) -> list[T]:
-    """`items` in repeat `repeat`'s order: reversed every other repeat, so linear drift cancels in pairs of repeats."""
-    return items[:: 1 if repeat % 2 == 0 else -1]
-
-
-def interleaved(repeats: int, items: list[T]) -> Iterator[tuple[int, T]]:
-    """(repeat, item) for every repeat of every item, each repeat in `order`."""
-    for rep in range(repeats):
-        for item in order(rep, items):
-            yield rep, item
 
 
 # ---- a case in its own process ------------------------------------------------------------------------------------
@@ -185,7 +81,7 @@ def train_py(overrides: list[str], *, timeout: float = 600, step_times: bool = F
     """One `train.py` run in a scratch directory, one torch thread per rank: its summary.json with the run's wall
     seconds (`run_s`), and with `step_times` each rank's `StepTimes` record; or {"error": the line that says why}."""
     with tempfile.TemporaryDirectory() as tmp:
-        extra = ["+callbacks.step_times._target_=harness.StepTimes"] if step_times else []
+        extra = ["+callbacks.step_times._target_=timing.StepTimes"] if step_times else []
         command = [sys.executable, str(ROOT / "train.py"), *overrides, *extra, f"hydra.run.dir={tmp}/run"]
         started = time.perf_counter()
         code, output = run(
@@ -263,6 +159,14 @@ def worker_setup(timeout: timedelta = timedelta(minutes=5), backend: str = "gloo
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout)
     return dist.get_rank()
+
+
+def worker_done(out: Path, rank: int, result: Any) -> None:
+    """In a launched rank, last: write what it measured where `launch` reads it, and leave the process group."""
+    import torch.distributed as dist
+
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
 
 
 def quiet() -> None:

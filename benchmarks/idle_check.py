@@ -5,16 +5,13 @@ The profiler's trace is classified without the StageTimer's hooks: inside each s
 thread is in the stage's own forward/backward ops (compute), in send/recv ops or torch's wait on them (comm), in
 other ops (the loss, splitting into micro-batches, copies, gradient scaling), or in no op at all (Python: the
 schedule, hooks, autograd's engine between nodes). 2 single-threaded gloo ranks launched by torchrun.
+idle_check_trace.py classifies the trace, idle_check_report.py writes the table.
 Usage: .venv/bin/python benchmarks/idle_check.py [--warmup 3 --steps 4 --after 4 --repeats 3]  (~1.5 min, 2 cores)
-Over 300 lines: one measurement, its worker mode and its report in one script, so a result file traces to one
-command.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import statistics
 import time
 from datetime import datetime
@@ -25,8 +22,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from harness import LoadMeter, arguments, counts, launch, machine, order, worker_setup, write_results
+from harness import arguments, counts, launch, machine, worker_done, worker_setup, write_results
+from idle_check_report import aggregate, markdown
+from idle_check_trace import LOSS, STEP, WAIT, breakdown
 from ranks import bare_trainer
+from timing import LoadMeter, order
 from torch.distributed.pipelining import schedules
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -36,7 +36,6 @@ from lightning_parallel.models import GPT, SimpleCNN
 from lightning_parallel.tasks import ClassificationTask, LanguageModelTask
 
 PP = 2
-STEP, WAIT, LOSS = "idle_check:schedule.step", "idle_check:wait", "idle_check:loss"
 # (name, model, schedule): digits is train.py's default run; the other two make compute dominate.
 CASES = [
     ("SimpleCNN, digits 8x8, batch 64", "cnn_digits", "1f1b"),
@@ -45,16 +44,6 @@ CASES = [
     ("GPT depth 4 width 256, 32 tokens, batch 16", "gpt_256", "1f1b"),
     ("GPT depth 4 width 256, 32 tokens, batch 16", "gpt_256", "zbv"),
 ]
-# Top-level ops inside schedule.step that are not the stage's layers: torch's and the strategy's micro-batch
-# handling (split, select targets, detach, clone, stack losses, scale gradients) and the loss's backward.
-NOT_STAGE = {
-    f"aten::{op}"
-    for op in "tensor_split split chunk select slice item detach detach_ to _to_copy ones_like zeros_like "
-    "empty_like clone copy_ stack cat div_ mul_".split()
-}
-LOSS_BACKWARD = {"NllLossBackward0", "LogSoftmaxBackward0"}
-COMM_PREFIXES = ("c10d::", "gloo:", "record_param_comms")
-COMPUTE_ACTION = re.compile(r"PP:\d+[FBIW]\d+")  # torch's range around a multi-stage schedule's compute action
 
 
 # ---- inside each rank ------------------------------------------------------------------------------------------
@@ -118,72 +107,6 @@ class Window(pl.Callback):
             self.profiler.__exit__(None, None, None)
 
 
-def top_level(event: Any) -> tuple[bool, set[str]]:
-    """(not nested in another op, the annotations above it); torch's "PP:0F0"-style ranges are annotations."""
-    names, parent = set(), event.cpu_parent
-    while parent is not None:
-        if not parent.is_user_annotation:
-            return False, names
-        names.add(parent.name)
-        parent = parent.cpu_parent
-    return True, names
-
-
-def kind(event: Any, above: set[str]) -> str:
-    name = event.name
-    if name.startswith(COMM_PREFIXES):
-        return "comm"
-    if LOSS in above or name in NOT_STAGE:
-        return "other"
-    node = name.removeprefix("autograd::engine::evaluate_function: ")
-    return "other" if node in LOSS_BACKWARD else "compute"
-
-
-def covered(spans: list[tuple[float, float]], windows: list[tuple[float, float]]) -> float:
-    """Length of the union of `spans` inside the (disjoint) `windows`."""
-    clipped = sorted((max(a, lo), min(b, hi)) for a, b in spans for lo, hi in windows if min(b, hi) > max(a, lo))
-    total, reach = 0.0, float("-inf")
-    for a, b in clipped:
-        if b > reach:
-            total += b - max(a, reach)
-            reach = b
-    return total
-
-
-def breakdown(events: Any) -> dict[str, float]:
-    """Shares of the schedule.step windows on the main thread: compute, comm, other ops, no op."""
-    steps = [e for e in events if e.name == STEP]
-    thread, windows = steps[0].thread, [(e.time_range.start, e.time_range.end) for e in steps]
-    spans: dict[str, list[tuple[float, float]]] = {"compute": [], "comm": [], "other": [], "actions": []}
-    for e in events:
-        if e.thread != thread:
-            continue
-        if e.is_user_annotation:
-            if e.name == WAIT:
-                spans["comm"].append((e.time_range.start, e.time_range.end))
-            elif COMPUTE_ACTION.fullmatch(e.name):
-                spans["actions"].append((e.time_range.start, e.time_range.end))
-            continue
-        outermost, above = top_level(e)
-        if outermost:
-            spans[kind(e, above)].append((e.time_range.start, e.time_range.end))
-    wall = sum(b - a for a, b in windows)
-    compute = covered(spans["compute"], windows)
-    with_comm = covered(spans["compute"] + spans["comm"], windows)
-    ops = covered(spans["compute"] + spans["comm"] + spans["other"], windows)
-    return {
-        "schedule_step_ms": wall / 1e3 / len(windows),
-        "compute": compute / wall,
-        "comm": (with_comm - compute) / wall,
-        "other_ops": (ops - with_comm) / wall,
-        "no_op": 1 - ops / wall,
-        # inside torch's F/B/I/W action ranges but not in their waits for a receive (multi-stage schedules only)
-        "actions": (covered(spans["actions"] + spans["comm"], windows) - covered(spans["comm"], windows)) / wall
-        if spans["actions"]
-        else None,
-    }
-
-
 def timer_share(marks: list[tuple[float, float, float, float]], first: int, last: int) -> dict[str, float]:
     """The StageTimer's idle over steps [first, last) (its own busy / wall sums), and the training step."""
     busy = marks[last - 1][0] - marks[first - 1][0]
@@ -232,8 +155,7 @@ def worker(out: Path, args: argparse.Namespace) -> None:
             runs.append(
                 {"case": name, "schedule": schedule, "repeat": repeat, **measure_case(model, schedule, meter, args)}
             )
-    (out / f"rank{rank}.json").write_text(json.dumps(runs))
-    dist.destroy_process_group()
+    worker_done(out, rank, runs)
 
 
 def measure_case(model: str, schedule: str, meter: LoadMeter, args: argparse.Namespace) -> dict[str, Any]:
@@ -245,73 +167,6 @@ def measure_case(model: str, schedule: str, meter: LoadMeter, args: argparse.Nam
     own = [0.0] * PP
     dist.all_gather_object(own, time.process_time() - cpu)
     return {"other_load_cores": meter.other_cores(sum(own)), **run}
-
-
-# ---- in the main process -------------------------------------------------------------------------------------
-def aggregate(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per (case, schedule, rank): the median of each share over the repeats, and the StageTimer's idle range."""
-    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
-    for rank, runs in enumerate(per_rank):
-        for run in runs:
-            groups.setdefault((run["case"], run["schedule"], rank), []).append(run)
-    rows = []
-    for (case, schedule, rank), runs in groups.items():
-        row: dict[str, Any] = {"case": case, "schedule": schedule, "rank": rank, "repeats": len(runs)}
-        row.update({key: runs[0][key] for key in ("blocks", "bubble_fraction")})
-        row["other_load_cores"] = max(r["other_load_cores"] for r in runs)
-        for part in ("profiler", "stage_timer", "stage_timer_unprofiled"):
-            row[part] = {
-                key: statistics.median(r[part][key] for r in runs) if runs[0][part][key] is not None else None
-                for key in runs[0][part]
-            }
-        row["stage_timer_idle_range"] = [f(r["stage_timer"]["idle"] for r in runs) for f in (min, max)]
-        rows.append(row)
-    order = {(name, schedule): i for i, (name, _, schedule) in enumerate(CASES)}
-    return sorted(rows, key=lambda r: (order[(r["case"], r["schedule"])], r["rank"]))
-
-
-def markdown(result: dict[str, Any]) -> str:
-    cfg = result["config"]
-    lines = [
-        "# Pipeline idle: the StageTimer against torch's profiler",
-        "",
-        f"`benchmarks/idle_check.py`, {cfg['date']}, {cfg['machine']}; {cfg['minutes']:.1f} min. "
-        f"PipelineParallelStrategy, PP={PP}, 4 micro-batches, AdamW, 2 single-threaded gloo ranks (torchrun); per "
-        f"case {cfg['steps']} profiled training steps after {cfg['warmup']} warm-up steps, then {cfg['after']} "
-        f"unprofiled; medians of {cfg['repeats']} repeats. The machine may be shared with other jobs (2 cores; "
-        "see other load): a busy core stretches the waits, so absolute times and the tiny model's shares vary "
-        "from run to run; compare columns within one row.",
-        "",
-        "- **profiler**: shares of schedule.step on the rank's main thread from torch's profiler trace: the stage's "
-        "own forward and backward ops (**compute**), send/recv ops and torch's wait on them (**comm**), other ops "
-        "(the loss, micro-batch splitting, copies, gradient scaling) and no op (Python: the schedule, hooks, "
-        "autograd's engine). **profiler idle** = 1 - compute. **1 - actions**: 1 - the share inside torch's own "
-        "`PP:<stage><F|B|I|W><mb>` ranges around each compute action, less the comm inside them (multi-stage "
-        "schedules only): the stage's compute with torch's Python around it.",
-        "- **StageTimer idle**: the end-of-run table's column for the same steps (1 - hooked forward/backward "
-        "time / schedule.step time; min-max over the repeats in brackets); unprofiled: the steps after, without "
-        "the profiler's overhead; forward only: counting only forwards as busy, as the StageTimer did for "
-        "split-backward schedules (zbv) before it timed their I and W passes.",
-        "- **bubble**: the schedule's analytic idle share under unit costs (the table's caption). **other load**: "
-        "cores other processes kept busy during the case, the largest of the repeats (anything above ~0.1 "
-        "inflates the waits).",
-        "",
-        "| case | schedule | rank | blocks | schedule.step ms | compute | comm | other ops | no op | profiler idle "
-        "| 1 - actions | StageTimer idle | StageTimer idle, unprofiled | forward only | bubble | other load (cores) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in result["rows"]:
-        p, t, u = row["profiler"], row["stage_timer"], row["stage_timer_unprofiled"]
-        actions = f"{1 - p['actions']:.0%}" if p["actions"] is not None else "-"
-        low, high = row["stage_timer_idle_range"]
-        lines.append(
-            f"| {row['case']} | {row['schedule']} | {row['rank']} | {', '.join(row['blocks'])} | "
-            f"{p['schedule_step_ms']:.1f} | {p['compute']:.0%} | {p['comm']:.0%} | {p['other_ops']:.0%} | "
-            f"{p['no_op']:.0%} | {1 - p['compute']:.0%} | {actions} | {t['idle']:.0%} ({low:.0%}-{high:.0%}) | "
-            f"{u['idle']:.0%} | {t['idle_forward_only']:.0%} | {row['bubble_fraction']:.0%} | "
-            f"{row['other_load_cores']:.2f} |"
-        )
-    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -331,10 +186,10 @@ def main() -> None:
             "minutes": (time.perf_counter() - begin) / 60,
             **{k: getattr(args, k) for k in ("warmup", "steps", "after", "repeats")},
         },
-        "rows": aggregate(per_rank),
+        "rows": aggregate(per_rank, CASES),
         "runs_per_rank": per_rank,
     }
-    write_results("idle_check", result, markdown(result))
+    write_results("idle_check", result, markdown(result, PP))
 
 
 if __name__ == "__main__":

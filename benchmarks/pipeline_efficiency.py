@@ -11,7 +11,6 @@ Usage: .venv/bin/python benchmarks/pipeline_efficiency.py [--steps 10 --warmup 3
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections import OrderedDict
@@ -23,9 +22,10 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import LoadMeter, arguments, counts, launch, machine, order, stats_ms, worker_setup, write_results
+from harness import arguments, counts, launch, machine, worker_done, worker_setup, write_results
 from pipeline_overhead import BATCH, BLOCKS, LR, RegressionTask, build_network, make_batches
 from ranks import bare_trainer, batch_loader
+from timing import LoadMeter, order, stats_ms
 from torch import nn
 
 from lightning_parallel import PipelineParallelStrategy
@@ -88,8 +88,7 @@ def worker(out: Path, args: argparse.Namespace) -> None:
             dist.all_gather_object(own, run["own_cpu_s"])
             run["other_load_cores"] = meter.other_cores(sum(own))
             runs.append({"schedule": schedule, "microbatches": m, "repeat": rep, **run})
-    (out / f"rank{rank}.json").write_text(json.dumps(runs))
-    dist.destroy_process_group()
+    worker_done(out, rank, runs)
 
 
 # ---- in the main process: compute costs, launch, compare --------------------------------------------------------

@@ -2,29 +2,27 @@
 torch.distributed.pipelining loop (same model, schedule, micro-batches, batches and optimizer), the
 single-process step for scale, and parameter bytes per rank. Writes results/pipeline_overhead.{json,md}.
 
-Launches its ranks with torchrun (harness.py), one thread each; it does not use tests/.
-Usage: .venv/bin/python benchmarks/pipeline_overhead.py [--steps 8 --warmup 2 --repeats 10]
-Over 300 lines: one measurement, its worker mode and its report in one script, so a result file traces to one
-command.
+Launches its ranks with torchrun (overhead.py), one thread each; pipeline_overhead_report.py summarises them. It does
+not use tests/. Usage: .venv/bin/python benchmarks/pipeline_overhead.py [--steps 8 --warmup 2 --repeats 10]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-import lightning
 import lightning.pytorch as pl
+import overhead
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import Usage, arguments, counts, launch, machine, order, other_cores, stats_ms, worker_setup, write_results
+from harness import worker_done, worker_setup
+from pipeline_overhead_report import critical_path, markdown, summarise
 from ranks import bare_trainer, batch_loader
+from timing import Usage, order
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
@@ -34,8 +32,6 @@ from lightning_parallel import PipelineParallelStrategy
 WIDTH, BLOCKS, BATCH, PP, LR, DISTINCT_BATCHES = 1024, 8, 256, 2, 1e-3, 4
 CONFIGS = [("1f1b", 4), ("1f1b", 8), ("gpipe", 8)]  # (schedule, micro-batches)
 TORCH_CLASS = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
-TARGET = 0.05  # the strategy may cost at most 5% more per step than the hand-written loop
-QUIET = 0.1  # a run is quiet when other processes used less than this many cores during it
 
 
 # ---- the workload, identical in every run -------------------------------------------------------
@@ -202,169 +198,24 @@ def worker(out: Path, args: argparse.Namespace) -> None:
                 runs[-1].update(run(schedule, m, state, batches, total))
                 dist.barrier()
         print(f"rank {rank}: repeat {rep + 1}/{args.repeats} done", flush=True)
-    (out / f"rank{rank}.json").write_text(json.dumps(runs))
-    dist.destroy_process_group()
-
-
-# ---- report (main process) ----------------------------------------------------------------------
-def critical_path(runs: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
-    """Per measured step across the ranks of one run (steps start together at a barrier). step: the
-    slowest rank's window; outside_schedule: the part of the step's span in which no rank is inside
-    schedule.step; between: barrier-to-barrier period minus step. other_load_cores: others' CPU use."""
-    n = len(runs[0]["start"])
-    timed = bool(runs[0]["schedule_start"])
-    if timed and any(len(run["schedule_start"]) != n for run in runs):
-        raise RuntimeError("expected exactly one schedule.step per training step")
-    out: dict[str, Any] = {"step_s": [], "outside_schedule_s": [], "between_s": []}
-    for i in range(warmup, n):
-        starts, ends = [run["start"][i] for run in runs], [run["end"][i] for run in runs]
-        out["step_s"].append(max(e - s for s, e in zip(starts, ends, strict=True)))
-        if timed:
-            span = max(run["schedule_end"][i] for run in runs) - min(run["schedule_start"][i] for run in runs)
-            out["outside_schedule_s"].append(max(ends) - min(starts) - span)
-        if i + 1 < n:
-            period = max(run["start"][i + 1] - run["start"][i] for run in runs)
-            out["between_s"].append(period - out["step_s"][-1])
-    out["other_load_cores"] = other_cores(runs)
-    return out
-
-
-def merge_ranks(per_rank: list[list[dict[str, Any]]], warmup: int) -> list[dict[str, Any]]:
-    """One entry per run: its critical-path series and every rank's raw numbers."""
-    names = ("kind", "schedule", "microbatches", "repeat")
-    by_key = [{tuple(run[k] for k in names): run for run in rank_runs} for rank_runs in per_rank]
-    merged = []
-    for first in per_rank[0]:
-        key = tuple(first[k] for k in names)
-        runs = [ranks[key] for ranks in by_key if key in ranks]  # single: rank 0 only
-        merged.append({**{k: first[k] for k in names}, **critical_path(runs, warmup), "per_rank": runs})
-    return merged
-
-
-def compare(hand: list[dict[str, Any]], strat: list[dict[str, Any]]) -> dict[str, Any]:
-    """Hand-written against strategy runs of one config: wall-clock steps, and the robust costs (medians of
-    what lies outside schedule.step in the window, and of the time between windows)."""
-
-    def median_ms(of: list[dict[str, Any]], series: str) -> float:
-        return statistics.median(t for run in of for t in run[series]) * 1e3
-
-    hand_step, strat_step = median_ms(hand, "step_s"), median_ms(strat, "step_s")
-    in_window = median_ms(strat, "outside_schedule_s") - median_ms(hand, "outside_schedule_s")
-    between = median_ms(strat, "between_s") - median_ms(hand, "between_s")
-    return {
-        "runs": [len(hand), len(strat)],
-        "handwritten_step_ms": stats_ms([t for run in hand for t in run["step_s"]]),
-        "strategy_step_ms": stats_ms([t for run in strat for t in run["step_s"]]),
-        "overhead": strat_step / hand_step - 1,
-        "added_in_window_ms": in_window,
-        "added_between_steps_ms": between,
-        "added_per_iteration": (in_window + between) / hand_step,
-    }
-
-
-def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    single = [r for r in runs if r["kind"] == "single"]
-    load = [r["other_load_cores"] for r in runs]
-    summary: dict[str, Any] = {
-        "single_step_ms": stats_ms([t for run in single for t in run["step_s"]]),
-        "single_parameter_bytes": single[0]["per_rank"][0]["parameter_bytes"],
-        "other_load_cores": {"mean": statistics.mean(load), "max": max(load)},
-    }
-    for schedule, m in CONFIGS:
-        hand, strat = (
-            [r for r in runs if r["kind"] == kind and (r["schedule"], r["microbatches"]) == (schedule, m)]
-            for kind in ("handwritten", "strategy")
-        )
-        quiet_hand, quiet_strat = ([r for r in of if r["other_load_cores"] < QUIET] for of in (hand, strat))
-        row = {
-            "all": compare(hand, strat),
-            "quiet": compare(quiet_hand, quiet_strat) if quiet_hand and quiet_strat else None,
-            "overhead_per_repeat": [
-                statistics.median(s["step_s"]) / statistics.median(h["step_s"]) - 1
-                for h, s in zip(hand, strat, strict=True)
-            ],
-            "parameter_bytes_per_rank": [r["parameter_bytes"] for r in strat[0]["per_rank"]],
-            "handwritten_parameter_bytes_per_rank": [r["parameter_bytes"] for r in hand[0]["per_rank"]],
-            "schedule_used": strat[0]["per_rank"][0]["schedule_used"],
-        }
-        # others' load is not the strategy's cost: judge on the quiet runs when there are some of each kind
-        basis = row["quiet"] or row["all"]
-        robust, wall = basis["added_per_iteration"] <= TARGET, basis["overhead"] <= TARGET
-        row["verdict"] = "yes" if robust and wall else "NO" if not robust else "unresolved: wall-clock noise"
-        summary[f"{schedule} m={m}"] = row
-    return summary
-
-
-def markdown(summary: dict[str, Any], config: dict[str, Any]) -> str:
-    full, load = summary["single_parameter_bytes"], summary["other_load_cores"]
-    fmt = lambda s: f"{s['median']:.1f} ({s['p10']:.1f}-{s['p90']:.1f})"  # noqa: E731
-    lines = [
-        "# PipelineParallelStrategy overhead",
-        "",
-        f"`benchmarks/pipeline_overhead.py`, {config['date']}, {config['machine']}. {BLOCKS} x (Linear({WIDTH}, "
-        f"{WIDTH}) + GELU), batch {BATCH}, MSE, SGD, PP={PP}, one thread per process, gloo; "
-        f"{config['repeats']} interleaved repeats (ABBA) x {config['steps']} steps after {config['warmup']} "
-        f"warm-up steps. Other processes used {load['mean']:.2f} cores on average during the runs "
-        f"(max {load['max']:.2f}); on 2 cores anything above ~0.1 inflates and scatters every number.",
-        "",
-        "- **step** (all runs; median (p10-p90), ms): barrier, then on_train_batch_start to on_train_batch_end "
-        "(strategy) or schedule.step + optimizer.step + zero_grad (hand-written); the slowest rank.",
-        f"- **quiet**: runs during which other processes used < {QUIET} core. The columns after it, and the "
-        "verdict, use the quiet runs when there are some of each kind, else all runs.",
-        "- **added in window**: per step, the time from the first rank leaving the barrier to the last one "
-        "finishing in which no rank is inside torch's schedule.step; strategy minus hand-written medians. "
-        "**between steps**: barrier-to-barrier period minus the step, the same way (Lightning's loop between "
-        "steps). Their sum over the hand-written step is the strategy's cost, free of the schedule's own "
-        "run-to-run noise (+-10% here even on an idle machine).",
-        "",
-        f"| config | hand-written ms | strategy ms | overhead (per-repeat range) | quiet: overhead (runs) "
-        f"| added in window | added between steps | added per iteration | <= {TARGET:.0%} | params/rank (bytes) "
-        "| vs single |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for schedule, m in CONFIGS:
-        row = summary[f"{schedule} m={m}"]
-        every, basis = row["all"], row["quiet"] or row["all"]
-        spread = f"{min(row['overhead_per_repeat']):+.1%} .. {max(row['overhead_per_repeat']):+.1%}"
-        quiet = (
-            "-"
-            if row["quiet"] is None
-            else f"{row['quiet']['overhead']:+.1%} ({' + '.join(map(str, row['quiet']['runs']))})"
-        )
-        per_rank = row["parameter_bytes_per_rank"]
-        lines.append(
-            f"| {schedule} m={m} | {fmt(every['handwritten_step_ms'])} | {fmt(every['strategy_step_ms'])} | "
-            f"{every['overhead']:+.1%} ({spread}) | {quiet} | {basis['added_in_window_ms']:+.2f} ms | "
-            f"{basis['added_between_steps_ms']:+.2f} ms | {basis['added_per_iteration']:+.1%} | {row['verdict']} | "
-            f"{' / '.join(f'{b:,}' for b in per_rank)} | {' / '.join(f'{b / full:.2f}' for b in per_rank)} |"
-        )
-    lines.append(f"| single process, plain loop | {fmt(summary['single_step_ms'])} | | | | | | | | {full:,} | 1.00 |")
-    return "\n".join(lines) + "\n"
-
-
-def main() -> None:
-    args = arguments(__doc__.splitlines()[0], steps=8, warmup=2, repeats=10, timeout=900)
-    if args.worker is not None:
-        worker(args.worker, args)
-        return
-    started = time.perf_counter()
-    runs = merge_ranks(launch(__file__, PP, counts(args), timeout=args.timeout), args.warmup)
-    config = {
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "repeats": args.repeats,
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": f"{machine()}, lightning {lightning.__version__}",
-        "model": {"width": WIDTH, "blocks": BLOCKS, "batch": BATCH, "loss": "mse", "optimizer": "SGD", "lr": LR},
-        "pp": PP,
-        "configs": CONFIGS,
-        "target_overhead": TARGET,
-        "wall_s": time.perf_counter() - started,
-    }
-    summary = summarise(runs)
-    report = {"config": config, "summary": summary, "runs": runs}
-    write_results("pipeline_overhead", report, markdown(summary, config), config["wall_s"])
+    worker_done(out, rank, runs)
 
 
 if __name__ == "__main__":
-    main()
+    overhead.main(
+        "pipeline_overhead",
+        __file__,
+        description=__doc__.splitlines()[0],
+        ranks=PP,
+        timeout=900,
+        setting={
+            "model": {"width": WIDTH, "blocks": BLOCKS, "batch": BATCH, "loss": "mse", "optimizer": "SGD", "lr": LR},
+            "pp": PP,
+            "configs": CONFIGS,
+        },
+        run_names=("kind", "schedule", "microbatches", "repeat"),
+        worker=worker,
+        critical_path=critical_path,
+        summarise=summarise,
+        markdown=markdown,
+    )

@@ -1,5 +1,6 @@
-"""benchmarks/chaos.py without training: its kill schedule (reproducible, every kind, aimed inside the run) and its
-report from canned runs (steps lost summed, losses compared over the last attempt only, a failed run named)."""
+"""benchmarks/chaos.py without training: its kill schedule (chaos_killer.py: reproducible, every kind, aimed inside the
+run) and its report (chaos_report.py) from canned runs (steps lost summed, losses compared over the last attempt only,
+a failed run named)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from chaos import KINDS, Kill, compare, schedule, table, target_step  # noqa: E402
+from chaos_killer import KINDS, Kill, schedule, target_step  # noqa: E402
+from chaos_report import compare, table  # noqa: E402
 
 
 def test_the_schedule_comes_from_the_seed_and_holds_every_kind_with_a_training_kill_first() -> None:
