@@ -78,7 +78,7 @@ def _end_tqdm_monitor() -> None:
     if monitor is not None and monitor.is_alive():
         threads = _threads()
         monitor.exit()  # joined: its Python side is done, and the thread itself ends a moment later
-        deadline = time.monotonic() + 2
+        deadline = time.monotonic() + 30  # usually ms; on a loaded machine the thread may wait to be scheduled
         while _threads() >= threads and time.monotonic() < deadline:
             time.sleep(0.01)
 

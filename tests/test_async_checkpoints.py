@@ -66,7 +66,9 @@ def test_one_write_at_a_time_and_a_removal_waits_for_the_newer_write_to_succeed(
     assert log[:2] == ["first", "older removed"]
     writes.wait()
     writes.start(lambda: 1 / 0)
-    time.sleep(0.1)  # the write has failed by now: a removal asked for afterwards is dropped as well
+    while writes.in_flight:  # until the write has failed (a fixed sleep may end first on a loaded machine)
+        time.sleep(0.01)
+    # a removal asked for after a failed write is dropped as well
     writes.after(lambda: log.append("removed after a failed write"))
     with pytest.raises(ZeroDivisionError):
         writes.wait()

@@ -44,7 +44,8 @@ def test_negative_staleness_bound_is_one_line(compose_cfg) -> None:  # noqa: ANN
 def test_one_worker_through_the_server_is_one_plain_process(tmp_path: Path) -> None:
     """The server path, forced on for one worker (the strategy skips it there), steps exactly like one process, and
     resumes exactly from a mid-epoch checkpoint."""
-    [result] = run_workers("async_sgd", 1, {"scenario": "parity"}, tmp_path, timeout=60)
+    # 240 s: a guard against a hang, not a bound on speed (this test took 90 s in all beside a CPU hog at load 21)
+    [result] = run_workers("async_sgd", 1, {"scenario": "parity"}, tmp_path, timeout=240)
     plain, asynchronous = torch.tensor(result["plain_losses"]), torch.tensor(result["async_losses"])
     assert len(plain) == len(asynchronous) == 20
     assert torch.allclose(plain, asynchronous, atol=1e-5), (plain - asynchronous).abs().max()
@@ -85,7 +86,7 @@ def test_two_workers_reach_the_accuracy_bar_and_report_staleness(tmp_path: Path)
 def test_resume_starts_from_the_saved_server_weights_and_step(tmp_path: Path) -> None:
     """Async is not deterministic, so a resumed run cannot equal an uninterrupted one; what holds: it starts on
     every rank from the checkpoint's (the server's) weights, its step and, on the server, its optimizer state."""
-    results = run_workers("async_sgd", 2, {"scenario": "resume"}, tmp_path, timeout=60)
+    results = run_workers("async_sgd", 2, {"scenario": "resume"}, tmp_path, timeout=240)
     saved = torch.load(tmp_path / "saved.ckpt", weights_only=True)  # what the library writes needs no trust
     assert saved["global_step"] == 6
     for rank, result in enumerate(results):
@@ -108,7 +109,7 @@ def test_a_killed_worker_ends_the_run(tmp_path: Path) -> None:
         inject,
         f"hydra.run.dir={tmp_path / 'run'}",
         cwd=tmp_path,
-        timeout=90,
+        timeout=240,  # a guard against a run that never ends; how soon it ends is the bound below
         env={"PYTHONPATH": str(WORKERS)},
         fresh_ranks=True,  # ranks as a user's run starts them: pgrep below finds them by their command line
     )
@@ -118,7 +119,12 @@ def test_a_killed_worker_ends_the_run(tmp_path: Path) -> None:
     assert errors[0].startswith("error: rank 1 died first: it was killed by SIGKILL"), result.stderr[-3000:]
     # from the kill to the run's end (not from the start: fresh ranks' start-up is load-dependent), far below a hang's
     seconds = ended - float((tmp_path / "failed_at").read_text())
+    print(f"the run ended {seconds:.1f} s after the kill")
     assert seconds < 45, f"took {seconds:.0f} s after the kill"
-    time.sleep(1)
-    assert not subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True).stdout
+    deadline = time.monotonic() + 30  # a killed rank may take a moment to be gone on a loaded machine; one left stays
+    while (left := subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True).stdout) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.5)
+    assert not left, left
     assert not (tmp_path / "run" / "summary.json").exists()

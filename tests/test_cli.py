@@ -19,12 +19,16 @@ def summaries(root: Path) -> list[dict]:
 @pytest.mark.slow
 def test_default_job_reaches_accuracy_bar(tmp_path: Path) -> None:
     """`make train`: SimpleCNN on digits must reach >= 95% validation accuracy within 60 s. In a fresh interpreter, as
-    `python train.py` starts (the other tests' launches fork theirs from one that imported the library once)."""
+    `python train.py` starts (the other tests' launches fork theirs from one that imported the library once). The 60 s
+    are the fit's own CPU time (one thread: its wall time on an idle machine); beside other work its wall time
+    stretches (58 s of the 60 beside a CPU hog at load 25, for 3.5 s of CPU). Its wall time is bounded too, far above
+    that, so that a fit waiting on something of its own (not the CPU) still fails."""
     result = run_cli(cwd=tmp_path, fresh=True)
     assert result.returncode == 0, result.stderr[-3000:]
     [summary] = summaries(tmp_path / "outputs")
     assert summary["metrics"]["val/acc"]["best"] >= 0.95
-    assert summary["wall_time_s"] < 60
+    print(f"fit: {summary['cpu_time_s']:.1f} s of CPU, {summary['wall_time_s']:.1f} s of wall time")
+    assert 0 < summary["cpu_time_s"] < 60 and summary["wall_time_s"] < 240
     assert summary["model"] == "SimpleCNN" and summary["data"] == "DigitsDataModule"
     for key in ("steps", "throughput_samples_per_s", "peak_memory_bytes", "parameters", "precision"):
         assert summary[key], key

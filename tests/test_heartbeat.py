@@ -68,17 +68,33 @@ def test_a_live_rank_outside_torch_distributed_is_named_and_all_waiting_names_no
 
 def test_a_heartbeat_says_where_the_main_thread_is() -> None:
     server = store()
+    began = time.time()
     heartbeat = Heartbeat(server, rank=0, interval=0.05).start()
     beats: dict = {}
-    reader = threading.Timer(0.3, lambda: beats.update(read_beats(server, 1)))  # read while this thread sleeps here
+    done = threading.Event()
+
+    def read() -> None:
+        """Until a beat written after this thread started (this test's thread is waiting below by then): on a loaded
+        machine a fixed sleep could read start()'s own beat, or one taken while the test's thread was still in
+        start()."""
+        since = time.time()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            beats.update(read_beats(server, 1) or {})
+            if beats and beats[0]["time"] > since:
+                break
+            time.sleep(0.05)
+        done.set()
+
+    reader = threading.Thread(target=read)
     try:
         reader.start()
-        time.sleep(0.6)
+        done.wait(120)  # this thread waits here while its beats are read
         reader.join()
     finally:
         heartbeat.stop()
     (mine,) = beats.values()
-    assert mine["pid"] > 0 and mine["host"] == socket.gethostname() and time.time() - mine["time"] < 2
+    assert mine["pid"] > 0 and mine["host"] == socket.gethostname() and began < mine["time"] < time.time()
     assert (
         mine["doing"].startswith("its own code at ")
         and "(test_a_heartbeat_says_where_the_main_thread_is)" in mine["doing"]

@@ -28,16 +28,18 @@ HANG = "import time; time.sleep(120)"
 
 def test_the_rank_that_exited_is_named_and_the_others_are_killed(capsys: pytest.CaptureFixture[str]) -> None:
     launcher = launcher_with(HANG, "import sys; sys.exit(3)", HANG)
+    launcher.procs[1].wait(timeout=60)  # it died, then its peer saw it lost (stop_peers gives it 5 s, not a start-up)
     failure = stop_peers(launcher, LOST, node_rank=0, num_processes=4)
     assert failure == PeerFailure(rank=2, returncode=3)
     line = "rank 2 died first: it exited with code 3; its own error is printed above"
     assert capsys.readouterr().err == f"error: {line}\n"
     assert LOST.__notes__ == [f"caused by: {line}"]
-    assert [proc.wait(timeout=10) for proc in launcher.procs] == [-signal.SIGKILL, 3, -signal.SIGKILL]
+    assert [proc.wait(timeout=60) for proc in launcher.procs] == [-signal.SIGKILL, 3, -signal.SIGKILL]  # HANG: 120 s
 
 
 def test_a_rank_of_the_second_node_killed_by_a_signal() -> None:
     launcher = launcher_with("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    launcher.procs[0].wait(timeout=60)  # it died, then its peer saw it lost
     failure = stop_peers(launcher, RuntimeError("Connection reset by peer"), node_rank=1, num_processes=2)
     assert str(failure) == (
         "rank 3 died first: it was killed by SIGKILL from outside, e.g. the out-of-memory killer; it printed no error"
@@ -52,7 +54,7 @@ def test_our_own_error_stops_hung_peers_without_waiting() -> None:
     assert not lost_a_peer(error)
     strategy.on_exception(error)
     assert strategy.peer_failure is None
-    assert strategy.launcher.procs[0].wait(timeout=5) == -signal.SIGKILL
+    assert strategy.launcher.procs[0].wait(timeout=60) == -signal.SIGKILL  # HANG sleeps 120 s unless killed
 
 
 def test_more_nodes_than_a_launcher_provides_is_refused_before_launch() -> None:

@@ -52,12 +52,14 @@ def test_schedule_costs_are_analytic_bubble_and_extrapolate_closely(name: str) -
 
 # ---- planning ----------------------------------------------------------------------------------------------------
 def test_100b_gpt_on_4096_devices_plans_in_seconds() -> None:
-    started = time.perf_counter()
+    """Seconds of this process's own CPU time (one thread): other work on a shared machine stretches the wall clock
+    (18 s for 1.3 s of CPU beside a 2-thread matmul, load 13), not the planner's work."""
+    started = time.process_time()
     workload = gpt_workload(depth=80, width=10240, heads=80, vocab_size=51200, seq_len=2048)
     result = plan(workload, devices=4096, hardware=H100, global_batch=1536, precision="bf16-mixed")
-    elapsed = time.perf_counter() - started
+    elapsed = time.process_time() - started
     assert 100e9 < workload.params < 103e9
-    assert elapsed < 10, f"planning took {elapsed:.1f} s"
+    assert elapsed < 10, f"planning took {elapsed:.1f} s of CPU"
     best = result.best
     assert best is not None and best.fits and best.layout.devices == 4096
     assert best.layout.pp > 1 and best.layout.tp > 1  # 1.6 TB of weights and Adam state need model parallelism

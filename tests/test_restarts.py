@@ -116,5 +116,7 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_named_in_one_line(tmp_pa
     waited = re.search(doing, errors[0])
     assert waited and "; rank 1 was killed. HINT: " in errors[0], errors[0]
     seconds = ended - float((tmp_path / "failed_at").read_text())
-    assert seconds < timeout + 15, f"the job took {seconds:.0f} s to end after the stop (timeout {timeout} s)"
+    # Not killed, the stopped rank would hold torchrun for its 30 s SIGTERM grace after the timeout: any bound under
+    # timeout + 30 tells the two apart; the time after the timeout is load (15.9 s in all at load 25, bound was 21)
+    assert seconds < timeout + 25, f"the job took {seconds:.0f} s to end after the stop (timeout {timeout} s)"
     print(f"{errors[0]}\nended {seconds:.1f} s after the stop")
