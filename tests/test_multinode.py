@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import CONF, ROOT
-from distributed import end_session, free_port, run_script, start_script
+from distributed import WORKERS, end_session, free_port, run_script, start_script
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
@@ -35,8 +35,9 @@ TWO_NODES = ["trainer.devices=2", "trainer.num_nodes=2"]
 # What a launcher tells its processes: none may leak in from the environment the tests run in.
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR")
 RUN_TIMEOUT = 150.0
-# `torchrun` is this script (`python -m torch.distributed.run`); its workers are fresh interpreters, as a user's are
-TORCHRUN = str(Path(torch.__file__).parent / "distributed" / "run.py")
+# `torchrun <options> train.py ...` with torchrun's own parsing and launcher, its workers forked from a process that
+# imported train.py (tests/workers/torchrun_forked.py: ~9 s of CPU less each); test_restarts runs `torchrun` itself
+TORCHRUN = str(WORKERS / "torchrun_forked.py")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -123,7 +124,8 @@ def test_two_torchrun_nodes_equal_one_launch(tmp_path: Path, one_launch: Any) ->
     run, port = tmp_path / "run", free_port()
     node = f"--nnodes=2 --nproc-per-node=2 --master-addr=127.0.0.1 --master-port={port}"
     args = [str(ROOT / "train.py"), *TINY, *LAYOUT, *TWO_NODES, f"hydra.run.dir={run}"]
-    launches = [([TORCHRUN, *node.split(), f"--node-rank={n}", *args], clean_env()) for n in (0, 1)]
+    env = clean_env(PYTHONPATH=os.pathsep.join([str(ROOT), str(WORKERS)]))  # torchrun_forked imports train.py
+    launches = [([TORCHRUN, *node.split(), f"--node-rank={n}", *args], env) for n in (0, 1)]
     codes = run_together(launches, tmp_path / "logs")
     assert codes == [0, 0], tails(tmp_path / "logs")
     assert_same_run(run, one_launch())
