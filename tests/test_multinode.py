@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import CONF, ROOT
-from distributed import end_session, free_port, run_script, start_script
+from distributed import WORKERS, end_session, free_port, run_script, start_script
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
@@ -37,8 +37,9 @@ LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_R
 # A guard against a launch that never ends, not a bound on speed: beside a CPU hog (load 25) the 4-process reference
 # took 104 s and the two node launches 69 s, the test 281 s in all (the fork server's start included) when this was 150
 RUN_TIMEOUT = 240.0
-# `torchrun` is this script (`python -m torch.distributed.run`); its workers are fresh interpreters, as a user's are
-TORCHRUN = str(Path(torch.__file__).parent / "distributed" / "run.py")
+# `torchrun <options> train.py ...` with torchrun's own parsing and launcher, its workers forked from a process that
+# imported train.py (tests/workers/torchrun_forked.py: ~9 s of CPU less each); test_restarts runs `torchrun` itself
+TORCHRUN = str(WORKERS / "torchrun_forked.py")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -101,14 +102,15 @@ def assert_same_run(got: Path, want: Path) -> None:
 @pytest.fixture(scope="module")
 def one_launch(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The reference: train.py launching 4 processes itself on one node (run once, on demand; its first process
-    forked from the tests' server, the 3 it launches fresh interpreters: tests/distributed.py run_script)."""
+    forked from the tests' server, the 3 it launches forks of it running the same command line: tests/forked_ranks.py,
+    ~9 s of CPU less each than fresh interpreters; the node launches below keep fresh ones, as a user's are)."""
     runs: list[Path] = []
 
     def run() -> Path:
         if not runs:
             out = tmp_path_factory.mktemp("one_launch")
             args = [*TINY, *LAYOUT, "trainer.devices=4", f"hydra.run.dir={out / 'run'}"]
-            done = run_script(ROOT / "train.py", args, cwd=out, env=clean_env(), timeout=RUN_TIMEOUT)
+            done = run_script(ROOT / "train.py", args, cwd=out, env=clean_env(), timeout=RUN_TIMEOUT, fork_ranks=True)
             assert done.returncode == 0, done.stderr[-3000:]
             runs.append(out / "run")
         return runs[0]
@@ -124,7 +126,8 @@ def test_two_torchrun_nodes_equal_one_launch(tmp_path: Path, one_launch: Any) ->
     run, port = tmp_path / "run", free_port()
     node = f"--nnodes=2 --nproc-per-node=2 --master-addr=127.0.0.1 --master-port={port}"
     args = [str(ROOT / "train.py"), *TINY, *LAYOUT, *TWO_NODES, f"hydra.run.dir={run}"]
-    launches = [([TORCHRUN, *node.split(), f"--node-rank={n}", *args], clean_env()) for n in (0, 1)]
+    env = clean_env(PYTHONPATH=os.pathsep.join([str(ROOT), str(WORKERS)]))  # torchrun_forked imports train.py
+    launches = [([TORCHRUN, *node.split(), f"--node-rank={n}", *args], env) for n in (0, 1)]
     codes = run_together(launches, tmp_path / "logs")
     assert codes == [0, 0], tails(tmp_path / "logs")
     assert_same_run(run, one_launch())

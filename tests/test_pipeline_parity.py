@@ -16,7 +16,7 @@ from common import TINY_GPT, fit_model, local_state  # noqa: E402
 
 from lightning_parallel.models import GPT  # noqa: E402
 
-STEPS = 20
+STEPS = 8  # every stage's gradients scaled by 1 + 1e-4 already fail this at 8 steps (loss gap 1.5e-5)
 VAL_BATCHES = 2  # evaluation runs a forward-only schedule of its own
 SCHEDULES = {
     "gpipe": {},
