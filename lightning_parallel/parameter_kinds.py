@@ -21,9 +21,18 @@ CANNOT_STEP_SHARDS: dict[str, tuple[str, tuple[int, int] | None]] = {
 }
 
 
+# ... and those DTensor cannot step even on replicated parameters before a torch version: torch 2.11's DTensor has no
+# rule for index_put_ at all ("does not have a sharding strategy registered"); 2.13's has one (2.12 not measured).
+CANNOT_STEP_REPLICAS: dict[str, tuple[int, int]] = {"Rprop": (2, 13)}
+
+
 def _refused_here(name: str) -> bool:
     fixed_in = CANNOT_STEP_SHARDS[name][1]
-    return fixed_in is None or tuple(int(part) for part in torch.__version__.split(".")[:2]) < fixed_in
+    return fixed_in is None or _older_than(fixed_in)
+
+
+def _older_than(first: tuple[int, int]) -> bool:
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < first
 
 
 def kind(tensor: torch.Tensor) -> Hashable:
@@ -102,6 +111,8 @@ def refuse_unsteppable(optimizer: torch.optim.Optimizer) -> None:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     # split along a dimension: a Shard, or an interleaved q | k | v `_StridedShard` (no Shard in torch 2.13)
     sharded = [p for p in params if isinstance(p, DTensor) and any(_along_a_dimension(s) for s in p.placements)]
+    if name in CANNOT_STEP_REPLICAS and _older_than(CANNOT_STEP_REPLICAS[name]):
+        sharded = [p for p in params if isinstance(p, DTensor)]
     if name is not None and sharded:
         raise OptimizerRefused(
             f"torch.optim.{name} cannot update tensor-parallel (sharded) parameters: "
