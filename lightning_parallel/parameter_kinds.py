@@ -23,9 +23,18 @@ CANNOT_STEP_SHARDS: dict[str, tuple[str, tuple[int, int] | None]] = {
 }
 
 
+# ... and those DTensor cannot step even on replicated parameters before a torch version: torch 2.11's DTensor has no
+# rule for index_put_ at all ("does not have a sharding strategy registered"); 2.13's has one (2.12 not measured).
+CANNOT_STEP_REPLICAS: dict[str, tuple[int, int]] = {"Rprop": (2, 13)}
+
+
 def _refused_here(name: str) -> bool:
     fixed_in = CANNOT_STEP_SHARDS[name][1]
-    return fixed_in is None or tuple(int(part) for part in torch.__version__.split(".")[:2]) < fixed_in
+    return fixed_in is None or _older_than(fixed_in)
+
+
+def _older_than(first: tuple[int, int]) -> bool:
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < first
 
 
 def kind(tensor: torch.Tensor) -> Hashable:
@@ -98,11 +107,14 @@ def refuse_unsteppable(optimizer: torch.optim.Optimizer) -> None:
     listed = (n for n in CANNOT_STEP_SHARDS if _refused_here(n))
     name = next((n for n in listed if isinstance(optimizer, getattr(torch.optim, n, ()))), None)
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    sharded = [p for p in params if isinstance(p, DTensor) and any(splits_a_dimension(s) for s in p.placements)]
-    if name is not None and sharded:
+    everywhere = name in CANNOT_STEP_REPLICAS and _older_than(CANNOT_STEP_REPLICAS[name])
+    dtensors = [p for p in params if isinstance(p, DTensor)]
+    refused = [p for p in dtensors if everywhere or any(splits_a_dimension(s) for s in p.placements)]
+    if name is not None and refused:
+        on = "any DTensor, a replicated one too," if everywhere else "a shard"
         raise OptimizerRefused(
-            f"torch.optim.{name} cannot update tensor-parallel (sharded) parameters: "
-            f"{CANNOT_STEP_SHARDS[name][0]}, which DTensor cannot do on a shard in torch {torch.__version__}. "
+            f"torch.optim.{name} cannot update tensor-parallel {'' if everywhere else '(sharded) '}parameters: "
+            f"{CANNOT_STEP_SHARDS[name][0]}, which DTensor cannot do on {on} in torch {torch.__version__}. "
             "HINT: use Adam, AdamW, SGD, Adagrad, RMSprop, NAdam or RAdam (foreach and fused work), or train without "
             "tensor parallelism"
         )

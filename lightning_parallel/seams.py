@@ -130,6 +130,34 @@ def skip_self_warmup(schedule: object, stages: list[Any], rank: int) -> None:
         stage._get_init_p2p_neighbors_ops = others
 
 
+def send_zero_gradients(stage: Any) -> None:
+    """Torch 2.11 / 2.12's stage sends a gradient back for every input it received (its receive buffers all require
+    one) and fails on one it has none for ("has gradients None and is expecting to send gradients"): an input a traced
+    stage takes detached (`stage_gradients`: RoPE's cos / sin, a float mask) gets zeros there, so nothing is computed
+    or saved for it, but the previous stage still receives as many bytes. From torch 2.13 on no gradient is expected."""
+    if _torch_at_least((2, 13)):
+        return
+    send = private_method(stage, "get_bwd_send_ops", library="torch", why="send no gradient for detached inputs")
+
+    def filled(chunk: int, send: Callable[[int], list[Any]] = send) -> list[Any]:
+        grads = stage.bwd_cache.get(chunk) if not stage.is_first else None
+        if grads is not None:
+            infos = stage.args_recv_info[chunk]
+            stage.bwd_cache[chunk] = tuple(
+                torch.zeros_like(info.buffer)
+                if grad is None and getattr(info, "buffer", None) is not None and info.buffer.requires_grad
+                else grad
+                for grad, info in zip(grads, infos, strict=False)
+            )
+        return send(chunk)
+
+    stage.get_bwd_send_ops = filled
+
+
+def _torch_at_least(first: tuple[int, int]) -> bool:
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= first
+
+
 def forward_actions() -> frozenset[Any]:
     """The kinds of action a forward-only order keeps from an action-list schedule's: forward computations, their
     sends and receives, FSDP's unshard / reshard, and from torch 2.15 on the waits that retire each forward send

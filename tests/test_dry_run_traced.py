@@ -6,6 +6,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import needs_torch_2_13
 
 import lightning_parallel as lp
 from lightning_parallel.one_process_ranks import fake_rank, local_part
@@ -41,6 +42,7 @@ def real_parameter_bytes(pp_rank: int) -> tuple[int, list[str]]:
     return held, done.stages.partition.blocks_of(pp_rank)
 
 
+@needs_torch_2_13  # tensor parallelism inside traced stages: refused before 2.13, in a dry run as in a real one
 def test_traced_llama_at_pp2_tp2_holds_what_a_real_set_up_holds(monkeypatch) -> None:
     """A tiny LlamaForCausalLM built on meta, pp2 x tp2: each role's blocks and parameter bytes are those of the same
     rank set up on real tensors, gradients as many bytes as parameters (each takes its parameter's placements),
@@ -82,6 +84,7 @@ class TiedQwen2(HFLM):
         self.model, self.lr, self.adamw = Qwen2ForCausalLM(config), 1e-2, True
 
 
+@needs_torch_2_13  # labels (integers) cross stages: refused before 2.13
 @pytest.mark.parametrize("build", [TiedQwen2, HFLM], ids=["qwen2", "gpt2"])
 def test_tied_transformers_model_built_on_meta_splits_at_pp2_with_one_process_values(build) -> None:
     """A tied transformers model built on meta (trainer.init_module()) at pp2: the dry run runs (transformers' own tie
@@ -124,6 +127,7 @@ def set_up_on_meta(build, pp_rank: int) -> torch.nn.Module:
     return module.model
 
 
+@needs_torch_2_13  # tensor parallelism inside traced stages: refused before 2.13
 @pytest.mark.parametrize("family", ["gpt2", "gpt_neo"])
 def test_transformers_family_dry_runs_at_pp2_tp2_on_padded_text(family) -> None:
     """Built on meta, on padded text (attention mask, -100 labels), pp2 x tp2: GPT-2's fused q/k/v split gathers a

@@ -143,6 +143,7 @@ def test_fsdp2_replicas_under_the_tensor_strategy_go_through_it() -> None:
     tensors as CUDA ones: FSDP2's all-gathers and reduce-scatters, DTensor's collectives, and two AdamW steps equal one
     process's (losses as each replica's mean of its half batch, every parameter within 1e-5)."""
     from simulated import next_token_loss, settings
+    from torch.testing._internal.distributed import multi_threaded_pg
     from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
 
     from lightning_parallel.dims import ParallelDims
@@ -193,6 +194,8 @@ def test_fsdp2_replicas_under_the_tensor_strategy_go_through_it() -> None:
         patch.setattr(gloo_host, "STAGE_CPU_TENSORS", True)
         patch.setattr(gloo_host.HostStagedGroup, "_run", counted)
         _install_threaded_pg()  # each thread its own default group, and group names resolved per thread
+        if not hasattr(multi_threaded_pg.ThreadLocalWorld, "comms"):  # torch 2.11's lacks the list its
+            patch.setattr(multi_threaded_pg.ThreadLocalWorld, "comms", [], raising=False)  # destroy clears
         torch._C._distributed_c10d._set_thread_isolation_mode(True)
         try:
             results = on_ranks(rank, size=4)

@@ -142,6 +142,10 @@ def test_every_optimizer_steps_shards_exactly_or_is_refused_in_one_line(mesh: An
     assert "\n" not in str(error.value) and "HINT: use Adam" in str(error.value)
     with pytest.raises(ValueError, match=f"torch.optim.{name} cannot update"):  # only an interleaved shard
         refuse_unsteppable(getattr(torch.optim, name)(parameters(mesh, "pir"), lr=0.1))
+    if name == "Rprop" and torch.__version__ < "2.13":  # 2.11's DTensor has no index_put_ rule even for replicas
+        with pytest.raises(ValueError, match=f"torch.optim.{name} cannot update"):
+            refuse_unsteppable(getattr(torch.optim, name)(parameters(mesh, "pr"), lr=0.1))
+        return
     refuse_unsteppable(getattr(torch.optim, name)(parameters(mesh, "pr"), lr=0.1))  # nothing sharded: it steps
     getattr(torch.optim, name)(parameters(mesh, "pr"), lr=0.1).step()
 

@@ -271,3 +271,31 @@ def test_simulated_ranks_name_a_changed_local_tensor_mode_in_one_line(monkeypatc
         each = mode.rank_map(lambda rank: torch.tensor(float(rank)))._local_tensors
         assert dist.get_world_size() == 2 and [float(each[rank]) for rank in (0, 1)] == [0.0, 1.0]
     assert not dist.is_initialized()
+
+
+class _Stage211Grads:  # torch 2.11's stage: every received input's buffer requires grad, a gradient goes back for each
+    is_first = False
+
+    def __init__(self, grads: tuple) -> None:
+        buffer = torch.zeros(2, 3, requires_grad=True)
+        self.args_recv_info = {0: (SimpleNamespace(buffer=buffer), SimpleNamespace(buffer=buffer))}
+        self.bwd_cache = {0: grads}
+
+    def get_bwd_send_ops(self, chunk: int) -> list:
+        grads = self.bwd_cache.pop(chunk)
+        if any(grad is None for grad in grads):
+            raise RuntimeError("has gradients None and is expecting to send gradients to stage 0")
+        return list(grads)
+
+
+@pytest.mark.parametrize("installed", ["2.11.0+cu130", "2.13.0+cpu"])
+def test_a_detached_stage_input_sends_zeros_back_on_torch_before_2_13(monkeypatch, installed: str) -> None:
+    monkeypatch.setattr(torch, "__version__", installed)
+    stage = _Stage211Grads((torch.ones(2, 3), None))  # hidden states' gradient, none for RoPE's cos (detached)
+    seams.send_zero_gradients(stage)
+    if installed.startswith("2.11"):
+        sent = stage.get_bwd_send_ops(0)
+        assert [float(g.sum()) for g in sent] == [6.0, 0.0] and sent[1].shape == (2, 3)
+    else:  # 2.13 expects no gradient for it: the stage is left as torch made it
+        with pytest.raises(RuntimeError, match="has gradients None"):
+            stage.get_bwd_send_ops(0)

@@ -19,7 +19,13 @@ from torch.utils import _pytree as pytree
 from lightning_parallel.pipeline.microbatches import PlansUsed, PlanUsed, plan_microbatches
 from lightning_parallel.pipeline.schedule_plan import resolve_schedule
 from lightning_parallel.pipeline.timing import StageTimer
-from lightning_parallel.seams import action_order, forward_actions, shape_inference, skip_self_warmup
+from lightning_parallel.seams import (
+    action_order,
+    forward_actions,
+    send_zero_gradients,
+    shape_inference,
+    skip_self_warmup,
+)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # One micro-batch of the network's inputs -> this rank's stage modules for that shape (traced networks).
@@ -194,6 +200,8 @@ class PipelineRuntime:
                 for index, module in modules.items()
             ]
             self.timer.watch_stages(stages)
+            for stage in stages:
+                send_zero_gradients(stage)
             loss_fn = self._loss if training else None
             schedule_class: Any = spec.torch_class  # a single- or multi-stage torch schedule class, by name
             if issubclass(schedule_class, PipelineScheduleSingle):

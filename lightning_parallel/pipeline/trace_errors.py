@@ -73,7 +73,10 @@ def explain_failure(name: str, error: Exception) -> str:
             f"pipeline tracing: {name}.forward branches on a tensor value{where}. HINT: make the branch a "
             "module-level choice (a constructor argument), or wrap the network as an nn.Sequential of blocks."
         )
-    if type(chain[-1]).__name__ == "FakeTensorDeviceMismatchError":  # torch's fake tensors, met on the meta device
+    # torch's fake tensors, met on the meta device: torch 2.13's error type; torch 2.11 raises a RuntimeError instead
+    if type(chain[-1]).__name__ == "FakeTensorDeviceMismatchError" or str(chain[-1]).startswith(
+        "Unhandled FakeTensor Device Propagation"
+    ):
         where = where or _user_frame(chain[-1])
         return (
             f"pipeline tracing: {name}.forward makes a tensor on a fixed device and uses it with its inputs{where}; "
