@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.utils import get_class, instantiate
+from omegaconf import DictConfig
 
 ROOT = Path(__file__).parents[1]
 USER_PAGES = sorted([ROOT / "README.md", ROOT / "benchmarks" / "README.md", *ROOT.glob("docs/*.md")])
@@ -131,7 +133,21 @@ def test_train_and_plan_commands_compose(where: str, script: str, arguments: lis
     if launcher is not None:
         assert (ROOT / "conf" / "hydra" / "launcher" / f"{launcher}.yaml").is_file(), f"{where}: no launcher {launcher}"
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        compose(script.removesuffix(".py"), overrides=overrides, return_hydra_config=True)
+        cfg = compose(script.removesuffix(".py"), overrides=overrides, return_hydra_config=True)
+    if script == "train.py":
+        check_sizes(where, cfg)
+
+
+def check_sizes(where: str, cfg: DictConfig) -> None:
+    """A mesh strategy's sizes multiply to the processes the command starts (`trainer.devices x trainer.num_nodes`,
+    as a dry run plays them): asked of the strategy itself, built alone (no model; nothing launches)."""
+    devices, nodes = cfg.trainer.devices, cfg.trainer.num_nodes
+    if not hasattr(get_class(cfg.strategy._target_), "resolve_dims") or not isinstance(devices, int) or devices < 1:
+        return
+    try:
+        instantiate(cfg.strategy).resolve_dims(devices * nodes)
+    except ValueError as error:
+        pytest.fail(f"{where}: {error}")
 
 
 def test_the_pages_show_commands() -> None:
@@ -161,6 +177,31 @@ def test_relative_links_resolve(page: Path) -> None:
         assert resolved.is_relative_to(ROOT), f"{page.relative_to(ROOT)}: {target} leaves the repository"
         if anchor and resolved.suffix == ".md":
             assert anchor in anchors(resolved), f"{page.relative_to(ROOT)}: no heading #{anchor} in {path or 'itself'}"
+
+
+GAP = re.compile(r"(?<![\w.])\d(?:\.\d+)?e-\d+")  # a tolerance or gap: 1e-5, 2.4e-7
+
+
+def quoted_gaps() -> list[tuple[str, float, list[str]]]:
+    """(page, figure, test files) for each figure like 1e-5 in a paragraph that names the tests it comes from."""
+    found = []
+    for page in USER_PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
+        for paragraph in re.split(r"\n\s*\n|\n- ", text):
+            tests = sorted(set(re.findall(r"tests/(test_\w+\.py)", paragraph)))
+            found += [(page.name, float(figure), tests) for figure in GAP.findall(paragraph) if tests]
+    return found
+
+
+def test_a_gap_quoted_beside_its_tests_is_one_they_assert() -> None:
+    """A measured gap passed off as the tests' bound ("within 5e-7" where they assert 1e-5) is a figure nothing checks:
+    quote the bound, or the measurement with the results file it comes from."""
+    quoted = quoted_gaps()
+    assert len(quoted) >= 10, quoted  # the pattern still finds the pages' figures
+    for page, figure, tests in quoted:
+        sources = "\n".join((ROOT / "tests" / name).read_text() for name in tests if (ROOT / "tests" / name).is_file())
+        asserted = {float(x) for x in GAP.findall(sources)}
+        assert figure in asserted, f"{page}: {figure:g} beside {', '.join(tests)}, which hold {sorted(asserted)}"
 
 
 DEVELOPMENT = [
