@@ -158,6 +158,13 @@ def test_the_pages_show_commands() -> None:
     assert len(python_blocks()) >= 8 and any(example for _, _, example in python_blocks())
 
 
+def test_every_benchmark_script_is_described() -> None:
+    """benchmarks/README.md names every script there, the measuring ones in its table and their helpers above it."""
+    described = (ROOT / "benchmarks" / "README.md").read_text()
+    missing = [p.name for p in sorted((ROOT / "benchmarks").glob("*.py")) if f"`{p.name}`" not in described]
+    assert not missing, f"benchmarks/README.md does not describe {missing}"
+
+
 # ---- links and phrases -----------------------------------------------------------------------------------------------
 def anchors(page: Path) -> set[str]:
     """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens."""
