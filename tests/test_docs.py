@@ -85,8 +85,8 @@ def test_python_block_runs_or_is_an_example_excerpt(where: str, text: str, examp
 
 
 # ---- train.py / plan.py commands -------------------------------------------------------------------------------------
-def commands() -> list[tuple[str, str, list[str]]]:
-    """(where, script, arguments) of each `train.py` / `plan.py` command in a bash block or a cluster example."""
+def command_lines() -> list[tuple[str, list[str]]]:
+    """(where, words) of each shell line that runs `train.py` / `plan.py`, in a bash block or a cluster example."""
     sources = [
         (f"{page.relative_to(ROOT)}:{line}", text)
         for page in PAGES
@@ -101,11 +101,34 @@ def commands() -> list[tuple[str, str, list[str]]]:
             line = re.sub(r"\$\{?(\w+)\}?", r"\1", line)  # shell variables as plain words
             line = re.split(r";|&&|\||\) ", line)[0] if "train.py" in line or "plan.py" in line else ""
             words = shlex.split(line)
-            script = next((w for w in words if w in ("train.py", "plan.py")), None)
-            if script is not None:
-                rest = words[words.index(script) + 1 :]
-                found.append((where, script, [w for w in rest if w not in ELISION and not w.startswith("$")]))
+            if any(w in ("train.py", "plan.py") for w in words):
+                found.append((where, words))
     return found
+
+
+def commands() -> list[tuple[str, str, list[str]]]:
+    """(where, script, arguments) of each `train.py` / `plan.py` command in a bash block or a cluster example."""
+    found = []
+    for where, words in command_lines():
+        script = next(w for w in words if w in ("train.py", "plan.py"))
+        rest = words[words.index(script) + 1 :]
+        found.append((where, script, [w for w in rest if w not in ELISION and not w.startswith("$")]))
+    return found
+
+
+def test_a_torchrun_command_gives_train_py_its_process_count() -> None:
+    """torchrun's --nproc-per-node must be trainer.devices (Lightning indexes its devices by the local rank: a command
+    without it failed on rank 1 with an IndexError)."""
+    launched = [
+        (where, words)
+        for where, words in command_lines()
+        if any("torchrun" in w or w == "torch.distributed.run" for w in words)
+    ]
+    assert len(launched) >= 3, launched
+    for where, words in launched:
+        nproc = next(w.split("=", 1)[1] for w in words if w.startswith("--nproc-per-node="))
+        devices = [w.split("=", 1)[1] for w in words if w.startswith("trainer.devices=")]
+        assert devices == [nproc], f"{where}: --nproc-per-node={nproc} but trainer.devices={devices or 'unset (1)'}"
 
 
 def overrides_of(arguments: list[str]) -> tuple[list[str], str | None]:
