@@ -42,7 +42,7 @@ $(TVENV)/.installed: pyproject.toml
 test-torch: $(TVENV)/.installed
 	$(TVENV)/bin/python -m pytest $(ARGS)
 
-# The GPU proof (README, "On GPUs"). `make gpu-wheels`, where the package index is reachable, puts into .whl/ (ignored)
+# The GPU proof (docs/gpus.md). `make gpu-wheels`, where the package index is reachable, puts into .whl/ (ignored)
 # the wheels the GPU machine lacks; `make gpu-check` installs them into a folder of its own (no network) and runs
 # benchmarks/gpu_check.py; without CUDA it rehearses on CPU at toy sizes. ARGS="--parts multi_rank" runs one part and
 # merges it into the results. The GPU machine's image (2026-11) has torch 2.11, Lightning 2.6.6, torchmetrics 1.9.0,

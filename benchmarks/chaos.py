@@ -46,7 +46,7 @@ def free_port() -> int:
 
 
 def command(run_dir: Path, strategy: str, size: dict[str, Any], max_restarts: int) -> list[str]:
-    """What a user types (README "Surviving failures"), with this run's strategy, size and directory."""
+    """What a user types (docs/clusters.md, "Surviving failures"), with this run's strategy, size and directory."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--max-restarts={max_restarts}"]
     torchrun += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
     train = [str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", "ckpt_path=last", *STRATEGIES[strategy]]

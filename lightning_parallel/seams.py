@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-# The versions the whole suite passed on (README, "Torch versions"), and the ranges pyproject.toml declares.
+# The versions the whole suite passed on (docs/limitations.md, "Versions"), and the ranges pyproject.toml declares.
 TESTED = {"torch": ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"), "lightning": ("2.6.6",)}
 SUPPORTED = {"torch": ">=2.11,<2.16", "lightning": ">=2.6,<2.7"}
 

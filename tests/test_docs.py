@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.utils import get_class, instantiate
+from omegaconf import DictConfig
 
 ROOT = Path(__file__).parents[1]
 USER_PAGES = sorted([ROOT / "README.md", ROOT / "benchmarks" / "README.md", *ROOT.glob("docs/*.md")])
@@ -83,8 +85,8 @@ def test_python_block_runs_or_is_an_example_excerpt(where: str, text: str, examp
 
 
 # ---- train.py / plan.py commands -------------------------------------------------------------------------------------
-def commands() -> list[tuple[str, str, list[str]]]:
-    """(where, script, arguments) of each `train.py` / `plan.py` command in a bash block or a cluster example."""
+def command_lines() -> list[tuple[str, list[str]]]:
+    """(where, words) of each shell line that runs `train.py` / `plan.py`, in a bash block or a cluster example."""
     sources = [
         (f"{page.relative_to(ROOT)}:{line}", text)
         for page in PAGES
@@ -99,11 +101,34 @@ def commands() -> list[tuple[str, str, list[str]]]:
             line = re.sub(r"\$\{?(\w+)\}?", r"\1", line)  # shell variables as plain words
             line = re.split(r";|&&|\||\) ", line)[0] if "train.py" in line or "plan.py" in line else ""
             words = shlex.split(line)
-            script = next((w for w in words if w in ("train.py", "plan.py")), None)
-            if script is not None:
-                rest = words[words.index(script) + 1 :]
-                found.append((where, script, [w for w in rest if w not in ELISION and not w.startswith("$")]))
+            if any(w in ("train.py", "plan.py") for w in words):
+                found.append((where, words))
     return found
+
+
+def commands() -> list[tuple[str, str, list[str]]]:
+    """(where, script, arguments) of each `train.py` / `plan.py` command in a bash block or a cluster example."""
+    found = []
+    for where, words in command_lines():
+        script = next(w for w in words if w in ("train.py", "plan.py"))
+        rest = words[words.index(script) + 1 :]
+        found.append((where, script, [w for w in rest if w not in ELISION and not w.startswith("$")]))
+    return found
+
+
+def test_a_torchrun_command_gives_train_py_its_process_count() -> None:
+    """torchrun's --nproc-per-node must be trainer.devices (Lightning indexes its devices by the local rank: a command
+    without it failed on rank 1 with an IndexError)."""
+    launched = [
+        (where, words)
+        for where, words in command_lines()
+        if any("torchrun" in w or w == "torch.distributed.run" for w in words)
+    ]
+    assert len(launched) >= 3, launched
+    for where, words in launched:
+        nproc = next(w.split("=", 1)[1] for w in words if w.startswith("--nproc-per-node="))
+        devices = [w.split("=", 1)[1] for w in words if w.startswith("trainer.devices=")]
+        assert devices == [nproc], f"{where}: --nproc-per-node={nproc} but trainer.devices={devices or 'unset (1)'}"
 
 
 def overrides_of(arguments: list[str]) -> tuple[list[str], str | None]:
@@ -131,7 +156,21 @@ def test_train_and_plan_commands_compose(where: str, script: str, arguments: lis
     if launcher is not None:
         assert (ROOT / "conf" / "hydra" / "launcher" / f"{launcher}.yaml").is_file(), f"{where}: no launcher {launcher}"
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        compose(script.removesuffix(".py"), overrides=overrides, return_hydra_config=True)
+        cfg = compose(script.removesuffix(".py"), overrides=overrides, return_hydra_config=True)
+    if script == "train.py":
+        check_sizes(where, cfg)
+
+
+def check_sizes(where: str, cfg: DictConfig) -> None:
+    """A mesh strategy's sizes multiply to the processes the command starts (`trainer.devices x trainer.num_nodes`,
+    as a dry run plays them): asked of the strategy itself, built alone (no model; nothing launches)."""
+    devices, nodes = cfg.trainer.devices, cfg.trainer.num_nodes
+    if not hasattr(get_class(cfg.strategy._target_), "resolve_dims") or not isinstance(devices, int) or devices < 1:
+        return
+    try:
+        instantiate(cfg.strategy).resolve_dims(devices * nodes)
+    except ValueError as error:
+        pytest.fail(f"{where}: {error}")
 
 
 def test_the_pages_show_commands() -> None:
@@ -140,6 +179,13 @@ def test_the_pages_show_commands() -> None:
     assert ("README.md", "train.py") in found and ("docs/insight-and-planner.md", "plan.py") in found
     assert ("examples/cluster/train.sbatch", "train.py") in found
     assert len(python_blocks()) >= 8 and any(example for _, _, example in python_blocks())
+
+
+def test_every_benchmark_script_is_described() -> None:
+    """benchmarks/README.md names every script there, the measuring ones in its table and their helpers above it."""
+    described = (ROOT / "benchmarks" / "README.md").read_text()
+    missing = [p.name for p in sorted((ROOT / "benchmarks").glob("*.py")) if f"`{p.name}`" not in described]
+    assert not missing, f"benchmarks/README.md does not describe {missing}"
 
 
 # ---- links and phrases -----------------------------------------------------------------------------------------------
@@ -161,6 +207,31 @@ def test_relative_links_resolve(page: Path) -> None:
         assert resolved.is_relative_to(ROOT), f"{page.relative_to(ROOT)}: {target} leaves the repository"
         if anchor and resolved.suffix == ".md":
             assert anchor in anchors(resolved), f"{page.relative_to(ROOT)}: no heading #{anchor} in {path or 'itself'}"
+
+
+GAP = re.compile(r"(?<![\w.])\d(?:\.\d+)?e-\d+")  # a tolerance or gap: 1e-5, 2.4e-7
+
+
+def quoted_gaps() -> list[tuple[str, float, list[str]]]:
+    """(page, figure, test files) for each figure like 1e-5 in a paragraph that names the tests it comes from."""
+    found = []
+    for page in USER_PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
+        for paragraph in re.split(r"\n\s*\n|\n- ", text):
+            tests = sorted(set(re.findall(r"tests/(test_\w+\.py)", paragraph)))
+            found += [(page.name, float(figure), tests) for figure in GAP.findall(paragraph) if tests]
+    return found
+
+
+def test_a_gap_quoted_beside_its_tests_is_one_they_assert() -> None:
+    """A measured gap passed off as the tests' bound ("within 5e-7" where they assert 1e-5) is a figure nothing checks:
+    quote the bound, or the measurement with the results file it comes from."""
+    quoted = quoted_gaps()
+    assert len(quoted) >= 10, quoted  # the pattern still finds the pages' figures
+    for page, figure, tests in quoted:
+        sources = "\n".join((ROOT / "tests" / name).read_text() for name in tests if (ROOT / "tests" / name).is_file())
+        asserted = {float(x) for x in GAP.findall(sources)}
+        assert figure in asserted, f"{page}: {figure:g} beside {', '.join(tests)}, which hold {sorted(asserted)}"
 
 
 DEVELOPMENT = [

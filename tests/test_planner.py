@@ -24,6 +24,7 @@ from lightning_parallel.planner import (
     Layout,
     Network,
     gpt_workload,
+    human_bytes,
     measure_block_seconds,
     parse_bytes,
     plan,
@@ -190,6 +191,13 @@ def test_plan_command_reports_a_ranked_table_and_a_train_command() -> None:
     text = report(result, 5)
     assert "layouts, best 5 shown" in text and " wins at " in text and "python train.py strategy=" in text
     assert all(strategy_choice(e.layout) is not None for e in result.estimates)
+
+
+def test_sizes_print_in_digits_not_exponents() -> None:
+    """A plan row of 1,020 MiB printed as 1.02e+03 MiB."""
+    sizes = [human_bytes(n * 2**20) for n in (1.5, 999, 1020, 1023.9)]
+    assert sizes == ["1.5 MiB", "999 MiB", "1,020 MiB", "1,024 MiB"]
+    assert human_bytes(2**30) == "1 GiB" and human_bytes(5000 * 2**40) == "5,000 TiB"
 
 
 def test_plan_rows_compare_at_one_global_batch() -> None:

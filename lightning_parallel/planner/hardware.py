@@ -38,10 +38,12 @@ def parse_bytes(value: int | float | str) -> int:
 
 
 def human_bytes(count: float) -> str:
-    """Bytes in binary units with three significant digits: ``1.5 GiB``."""
+    """Bytes in binary units with three significant digits: ``1.5 GiB``; 1,000 to 1,023 of a unit in whole numbers
+    (``1,020 MiB``, where three digits would print ``1.02e+03``)."""
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(count) >= size:
-            return f"{count / size:.3g} {unit}"
+            value = count / size
+            return f"{value:.3g} {unit}" if abs(value) < 999.5 else f"{value:,.0f} {unit}"
     return f"{count:.0f} B"
 
 
