@@ -165,7 +165,7 @@ def _block(
         loss_input=held,
         tp_loss_input=held if split_loss else 0.0,
         loss_backward=gradients,
-        tp_loss_backward=gradients if split_loss else 0.0,
+        tp_loss_backward=held if split_loss else 0.0,  # the vocabulary-parallel loss's: one copy, made in place
         output=figures["output"] / rows,
         replica_unit=unit.partition(".")[0],  # the tensor strategy's FSDP2 wraps each child of the network
         parameters=each,

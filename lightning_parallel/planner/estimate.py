@@ -136,7 +136,8 @@ class CostModel:
                 per_sample += block.flops * shard / self.rate * recompute
             kept, rebuilding = kept_and_rematerialised(block, tp, mode, block_input)
             loss += (block.loss_input - block.tp_loss_input + block.tp_loss_input / tp) * self.act_bytes
-            loss_back += (block.loss_backward - block.tp_loss_backward + block.tp_loss_backward / tp) * self.act_bytes
+            split_loss = tp > 1 and block.tp_loss_backward  # the loss then runs on the shards (`tensor/vocab_loss.py`)
+            loss_back += (block.tp_loss_backward / tp if split_loss else block.loss_backward) * self.act_bytes
             activations += kept * self.act_bytes
             block_activations.append(kept * self.act_bytes)
             rebuilt = max(rebuilt, rebuilding * self.act_bytes)

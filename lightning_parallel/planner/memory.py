@@ -51,6 +51,7 @@ def peak_of_step(
     transients: Sequence[float] = (),
     loss: float = 0.0,
     accumulating: Sequence[float] = (),
+    loss_backward: float = 0.0,
 ) -> float:
     """The most bytes gradients and activations hold together over a rank's step (``grads``, ``micro_acts``,
     ``transients``: per block, in forward order; activations of one micro-batch of the rank's stages; what a block's
@@ -64,19 +65,22 @@ def peak_of_step(
     forward ends a micro-batch's forward: ``at_first_grad`` of them held before any gradient, ``with_grads`` after.
     Autograd accumulates a parameter's gradient in place (``AccumulateGrad``: ``grad += new``), but the new one is
     made whole first: on backwards after the first, each block's largest parameter gradient is held twice. A
-    block's ``transients`` (FSDP2's gathered unit, a loss's backward) are over when its parameters' gradients come.
+    block's ``transients`` (FSDP2's gathered unit) are over when its parameters' gradients come. ``loss_backward``: what
+    a loss after the blocks holds in its backward, beside all of a micro-batch's activations, before any of the
+    blocks' gradients.
     """
     whole_grads, one = sum(grads), sum(micro_acts)
     kept = list(itertools.accumulate(micro_acts))  # activations left when the backward reaches block i
     made = list(itertools.accumulate(reversed(grads)))[::-1]  # gradients made by then (blocks i and after)
     extra = list(transients) or [0.0] * len(kept)
     sweep = max((a + g + t for a, g, t in zip(kept, made, extra, strict=True)), default=0.0)
-    first = max((at_first_grad - 1) * one + sweep, at_first_grad * one + loss)
+    back = one + loss_backward if loss_backward else 0.0  # the loss's backward: every activation still held
+    first = max((at_first_grad - 1) * one + max(sweep, back), at_first_grad * one + loss)
     if with_grads == 0:
         return first
     twice = list(accumulating) or [0.0] * len(kept)
     steady = max((a + max(t, n) for a, t, n in zip(kept, extra, twice, strict=True)), default=0.0)  # a later one
-    return max(first, whole_grads + max(with_grads * one + loss, (with_grads - 1) * one + steady))
+    return max(first, whole_grads + max(with_grads * one + loss, (with_grads - 1) * one + max(steady, back)))
 
 
 def rank_memory(
@@ -126,10 +130,8 @@ def rank_memory(
             at_end = (p + before) * param_bytes + p * grad_bytes + kept_input
             transients[end - 1] = max(transients[end - 1], at_start)
             transients[start] = max(transients[start], at_end)
-    if transients:  # the loss's backward, before the last block's own
-        transients[-1] += rank.loss_backward * micro
     peak = peak_of_step(grads, micro_acts, at_first_grad=at_first_grad, with_grads=with_grads, transients=transients,
-                        loss=loss, accumulating=accumulating)  # fmt: skip
+                        loss=loss, accumulating=accumulating, loss_backward=rank.loss_backward * micro)  # fmt: skip
     gathered = max(transients, default=0.0)
     activations = peak - sum(grads) - gathered + rank.rematerialised * micro
     temporaries = rank.update / shard * state_bytes

@@ -36,7 +36,8 @@ class Block:
         tp_loss_input: Of which split across tensor-parallel ranks.
         loss_backward: Elements per sample of the gradients that loss's backward holds at once, until its input's
             gradient is made (``loss_backward.py``), held while the block's backward starts.
-        tp_loss_backward: Of which split across tensor-parallel ranks.
+        tp_loss_backward: What a loss run on tensor-parallel shards (``tensor/vocab_loss.py``) holds instead, split
+            across the ranks (its input's gradient made once, in place); 0 = the loss runs whole.
         output: Elements of the block's output per sample: what a pipeline boundary after it sends.
         collectives: Tensor-parallel collectives per forward + backward: ``(kind, elements per sample)``.
         seconds: Measured forward + backward time ``(fixed, per sample)`` on one device; None = from FLOPs.
