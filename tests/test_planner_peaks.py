@@ -23,6 +23,9 @@ def test_gradients_and_activations_peak_apart_as_the_schedule_holds_them() -> No
     assert peak_of_step(acts, grads, at_first_grad=1, with_grads=0) == 12.0 + 1.0  # whole acts + the last block's
     assert peak_of_step(grads, acts, at_first_grad=3, with_grads=3) == 12.0 + 3 * 3.0  # 1F1B's steady state
     assert peak_of_step(grads, acts, at_first_grad=4, with_grads=0) == 3 * 3.0 + 13.0  # GPipe: the last sweep
+    # after the first micro-batch a parameter's new gradient (4) is made beside its accumulated one, at its block's
+    # backward (the last block's: all 3 of that micro-batch's activations still held, 2 others in flight)
+    assert peak_of_step(grads, acts, at_first_grad=3, with_grads=3, accumulating=[4.0] * 3) == 12.0 + 2 * 3.0 + 3 + 4
     workload = gpt_workload(depth=8, width=256, heads=8, vocab_size=512, seq_len=128)
     model = CostModel(workload, H100)  # fp32: 26 MB of gradients; 17 MB of activations per sample
     for batch in (1, 4):  # gradients outweigh the activations, then the other way round

@@ -109,15 +109,18 @@ def scheduled_step(
             stages, _ = stages_on_mesh(stages, None, tp_mesh, heads)
     last = len(partition.stages) - 1
 
-    def forward(stage: int, micro: int) -> tuple[tuple[torch.Tensor, ...], Any]:
+    def forward(stage: int, micro: int) -> tuple[tuple[torch.Tensor, ...], Any, Any]:
+        """(inputs, the stage's output, what backward starts from): torch's `PipelineStage.fwd_cache` keeps the
+        first two until the micro-batch's backward has run, the last stage's output (its logits) too, beside the
+        loss the schedule keeps for that backward (`_internal_losses`)."""
         inputs = tuple(_like(t, grad=stage > 0) for t in boundaries[stage])
         out = stages[stage](*inputs)
         if stage != last:
-            return inputs, out
+            return inputs, out, out
         part = slice_batch(batch, micro * size, (micro + 1) * size, rows)
         value = split.output(out)
         with swap_attribute(network, "forward", lambda *a, **k: value), swap_attribute(module, "log", _ignore):
-            return inputs, _loss_of(module.training_step(part, micro))
+            return inputs, out, _loss_of(module.training_step(part, micro))
 
     def run() -> None:
         alive: dict[tuple[int, int], Any] = {}
@@ -126,11 +129,16 @@ def scheduled_step(
             if action.kind == "F":
                 alive[key] = forward(*key)
             elif action.kind in ("B", "I"):
-                _, out = alive.pop(key)
-                outs = [t for t in _tensors(out) if t.requires_grad]
-                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+                _backward(*alive.pop(key))
 
     return run
+
+
+def _backward(inputs: tuple[torch.Tensor, ...], output: Any, start: Any) -> None:
+    """One micro-batch's backward from `start` (the loss, or the stage's output with gradients from the next stage);
+    its inputs and output stay alive until it returns, as `PipelineStage.backward_one_chunk` holds them."""
+    outs = [t for t in _tensors(start) if t.requires_grad]
+    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
 
 def boundaries_of(split: NetworkSplit, partition: Partition, example: tuple[torch.Tensor, ...], pp: int) -> list[tuple]:

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.planner.analysis import _ShardTracker, tp_modulus
+from lightning_parallel.planner.loss_backward import loss_backward_elements
 from lightning_parallel.planner.workload import Block, Workload, human_count
 from lightning_parallel.seams import as_traced
 from lightning_parallel.tensor.sharded_logits import vocab_heads
@@ -81,6 +82,7 @@ def workload_from_call(
     figures: dict[str, dict[str, Any]] = {unit: {"saved": [], "output": 0.0} for unit, _ in units}
     order: list[str] = []
     current: list[str] = []
+    last_output: list[torch.Tensor | None] = [None]  # the output of the unit that ran last (a loss's input)
 
     def enter(module: nn.Module, _args: tuple) -> None:
         current.append(names[id(module)])
@@ -91,6 +93,7 @@ def workload_from_call(
         unit = current.pop()
         first = output if torch.is_tensor(output) else next((o for o in _leaves(output) if torch.is_tensor(o)), None)
         figures[unit]["output"] = float(first.numel()) if first is not None else 0.0
+        last_output[:] = [first]
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         owner = current[-1] if current else (order[-1] if order else units[0][0])
@@ -106,10 +109,13 @@ def workload_from_call(
         try:
             with tracker, FlopCounterMode(display=False) as flops, as_traced() if traced else nullcontext():
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-                    meta(*fake, **fake_kwargs)
+                    output = meta(*fake, **fake_kwargs)
         finally:
             for handle in handles:
                 handle.remove()
+        loss = next((t for t in _leaves(output) if torch.is_tensor(t) and t.dim() == 0 and t.grad_fn), None)
+        if loss is not None and last_output[0] is not None and order:  # the network's own loss, after its last unit
+            figures[order[-1]]["loss_backward"] = loss_backward_elements(loss, last_output[0])
         parameter_ids = {id(p) for p in meta.parameters()}
         split_loss = set(vocab_heads(styles)) & set(order)
         blocks = [_block(unit, dict(meta.named_modules())[unit], figures[unit], tracker, flops, parameter_ids, rows,
@@ -137,6 +143,7 @@ def _block(
     tp_loss = loss if split_loss else tp_loss
     # the loss's input: the logits, this unit's output, alive through the loss's forward beside what it saves
     held = figures["output"] / rows if outside else 0.0
+    gradients = figures.get("loss_backward", 0.0) / rows if outside else 0.0
     counts = flops.get_flop_counts()
     forward = sum(sum(v.values()) for key, v in counts.items() if key.endswith(f".{unit}") or key == unit)
     params = sum(p.numel() for p in module.parameters())
@@ -157,6 +164,8 @@ def _block(
         tp_outside_activations=tp_loss / rows,
         loss_input=held,
         tp_loss_input=held if split_loss else 0.0,
+        loss_backward=gradients,
+        tp_loss_backward=held if split_loss else 0.0,  # the vocabulary-parallel loss's: one copy, made in place
         output=figures["output"] / rows,
         replica_unit=unit.partition(".")[0],  # the tensor strategy's FSDP2 wraps each child of the network
         parameters=each,

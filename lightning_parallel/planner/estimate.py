@@ -39,6 +39,8 @@ class _Rank:
     block_activations: tuple[float, ...] = ()  # bytes kept per sample per block, in forward order
     update: float = 0.0  # state elements the optimizer step's temporaries hold (``memory.UPDATES``)
     loss: float = 0.0  # bytes per sample a loss after its blocks holds beside their activations while it runs
+    block_largest: tuple[float, ...] = ()  # elements of each block's largest local parameter, in forward order
+    loss_backward: float = 0.0  # bytes per sample a loss's backward holds before its input's gradient is made
 
 
 class CostModel:
@@ -101,10 +103,11 @@ class CostModel:
 
     def _rank(self, split: tuple[tuple[int, ...], ...], stages: list[int], tp: int) -> _Rank:
         hw, net = self.hardware, self.hardware.network
-        fixed = per_sample = comm_fixed = comm_per_sample = activations = rebuilt = params = loss = 0.0
+        fixed = per_sample = comm_fixed = comm_per_sample = activations = rebuilt = params = loss = loss_back = 0.0
         count = collectives = 0
         block_params: list[float] = []
         block_activations: list[float] = []
+        largest: list[float] = []
         sizes: list[float] = []  # local elements of each parameter, in update order
         units: list[tuple[str, int, float]] = []  # FSDP2 units: (name, first block here, local parameters)
         checkpointed = checkpointed_kinds(self.workload.blocks)
@@ -115,7 +118,9 @@ class CostModel:
             recompute = recompute_factor(mode)
             local = block.params - block.tp_params + block.tp_params / tp
             params += local
-            sizes.extend(n / tp if split else n for n, split in block.parameters)
+            each = [n / tp if split else n for n, split in block.parameters]
+            sizes.extend(each)
+            largest.append(max(each, default=0.0))
             block_params.append(local)
             if units and block.replica_unit and units[-1][0] == block.replica_unit:
                 units[-1] = (block.replica_unit, units[-1][1], units[-1][2] + local)
@@ -131,6 +136,8 @@ class CostModel:
                 per_sample += block.flops * shard / self.rate * recompute
             kept, rebuilding = kept_and_rematerialised(block, tp, mode, block_input)
             loss += (block.loss_input - block.tp_loss_input + block.tp_loss_input / tp) * self.act_bytes
+            split_loss = tp > 1 and block.tp_loss_backward  # the loss then runs on the shards (`tensor/vocab_loss.py`)
+            loss_back += (block.tp_loss_backward / tp if split_loss else block.loss_backward) * self.act_bytes
             activations += kept * self.act_bytes
             block_activations.append(kept * self.act_bytes)
             rebuilt = max(rebuilt, rebuilding * self.act_bytes)
@@ -142,7 +149,8 @@ class CostModel:
         sums = (fixed, per_sample, comm_fixed, collectives, comm_per_sample, activations, rebuilt, count)
         replicas = tuple((start, size) for _, start, size in units)
         update = update_elements(self.update, sizes, params)
-        return _Rank(params, replicas, *sums, tuple(block_params), tuple(block_activations), update, loss)
+        blocks = (tuple(block_params), tuple(block_activations))
+        return _Rank(params, replicas, *sums, *blocks, update, loss, tuple(largest), loss_back)
 
     # ---- one layout ------------------------------------------------------------------------------
     def estimate(self, layout: Layout, *, batch: int) -> Estimate:
@@ -278,7 +286,8 @@ class CostModel:
             first, after = in_flight[min(rank, len(in_flight) - 1)]
             held = RankBytes(figures.block_params, figures.block_activations, figures.rematerialised,
                              [size for _, size in figures.replica_units],
-                             [start for start, _ in figures.replica_units], figures.update, figures.loss)  # fmt: skip
+                             [start for start, _ in figures.replica_units], figures.update, figures.loss,
+                             figures.block_largest, figures.loss_backward)  # fmt: skip
             memories.append(
                 rank_memory(
                     held,
@@ -289,6 +298,7 @@ class CostModel:
                     with_grads=after,
                     sizes=sizes,
                     optimizer_states=self.optimizer_states,
+                    holds_output=layout.pp > 1,
                 )
             )
         return memories

@@ -38,6 +38,8 @@ class RankBytes:
     unit_starts: Sequence[int]  # the index of each unit's first block
     update: float = 0.0  # state elements of the optimizer step's temporaries (tensor shards)
     loss: float = 0.0  # bytes per sample a loss after its blocks holds beside their activations while it runs
+    largest: Sequence[float] = ()  # elements of each block's largest parameter (tensor shard), in forward order
+    loss_backward: float = 0.0  # bytes per sample the loss's backward holds as the last block's backward starts
 
 
 def peak_of_step(
@@ -48,27 +50,37 @@ def peak_of_step(
     with_grads: int,
     transients: Sequence[float] = (),
     loss: float = 0.0,
+    accumulating: Sequence[float] = (),
+    loss_backward: float = 0.0,
 ) -> float:
     """The most bytes gradients and activations hold together over a rank's step (``grads``, ``micro_acts``,
     ``transients``: per block, in forward order; activations of one micro-batch of the rank's stages; what a block's
     backward holds only while it runs, e.g. FSDP2's gathered unit; ``loss``: what a loss after the blocks holds
-    beside a micro-batch's activations while its forward runs, e.g. its input logits).
+    beside a micro-batch's activations while its forward runs, e.g. its input logits; ``accumulating``: per block,
+    the most a later micro-batch's gradient of one of its parameters holds beside the one accumulated so far).
 
     Gradients are whole from the rank's first backward on (they accumulate over micro-batches), beside at most
     ``with_grads`` micro-batches' activations; during that first backward each block's gradient appears as its
     activations are freed: ``at_first_grad - 1`` other micro-batches, plus the worst point of the sweep. A loss's
     forward ends a micro-batch's forward: ``at_first_grad`` of them held before any gradient, ``with_grads`` after.
+    Autograd accumulates a parameter's gradient in place (``AccumulateGrad``: ``grad += new``), but the new one is
+    made whole first: on backwards after the first, each block's largest parameter gradient is held twice. A
+    block's ``transients`` (FSDP2's gathered unit) are over when its parameters' gradients come. ``loss_backward``: what
+    a loss after the blocks holds in its backward, beside all of a micro-batch's activations, before any of the
+    blocks' gradients.
     """
     whole_grads, one = sum(grads), sum(micro_acts)
     kept = list(itertools.accumulate(micro_acts))  # activations left when the backward reaches block i
     made = list(itertools.accumulate(reversed(grads)))[::-1]  # gradients made by then (blocks i and after)
     extra = list(transients) or [0.0] * len(kept)
     sweep = max((a + g + t for a, g, t in zip(kept, made, extra, strict=True)), default=0.0)
-    first = max((at_first_grad - 1) * one + sweep, at_first_grad * one + loss)
+    back = one + loss_backward if loss_backward else 0.0  # the loss's backward: every activation still held
+    first = max((at_first_grad - 1) * one + max(sweep, back), at_first_grad * one + loss)
     if with_grads == 0:
         return first
-    steady = max((a + t for a, t in zip(kept, extra, strict=True)), default=0.0)  # a later backward's worst point
-    return max(first, whole_grads + max(with_grads * one + loss, (with_grads - 1) * one + steady))
+    twice = list(accumulating) or [0.0] * len(kept)
+    steady = max((a + max(t, n) for a, t, n in zip(kept, extra, twice, strict=True)), default=0.0)  # a later one
+    return max(first, whole_grads + max(with_grads * one + loss, (with_grads - 1) * one + max(steady, back)))
 
 
 def rank_memory(
@@ -81,6 +93,7 @@ def rank_memory(
     with_grads: int,
     sizes: tuple[int, int, int],
     optimizer_states: int,
+    holds_output: bool = False,
 ) -> dict[str, float]:
     """Bytes of one pipeline rank: parameters, gradients and optimizer state (sharded over ``shard`` FSDP2
     replicas), activations (at the step's peak: what ``peak_of_step`` adds beyond the whole gradients, and one
@@ -89,12 +102,20 @@ def rank_memory(
     ``at_first_grad`` and ``with_grads`` count (stage, micro-batch) pairs; a pair holds 1 / ``stages_per_rank`` of
     the rank's activations. ``sizes``: bytes per parameter, gradient and optimizer-state element. Where the optimizer
     step's temporaries (``rank.update``) outweigh the backward's peak, the step peaks there and "activations" are
-    those temporaries (every activation freed by then, nothing gathered).
+    those temporaries (every activation freed by then, nothing gathered). ``holds_output``: a pipeline stage, whose
+    output (the loss's input logits, on the last) torch's ``PipelineStage`` keeps from its forward through its
+    backward (``fwd_cache``): the loss's input is then one more of the last block's activations.
     """
     param_bytes, grad_bytes, state_bytes = sizes
     params = sum(rank.params) / shard
     grads = [p / shard * grad_bytes for p in rank.params]
     micro_acts = [a * micro / stages_per_rank for a in rank.activations]
+    loss = rank.loss * micro
+    if holds_output and micro_acts:
+        micro_acts[-1] += loss / stages_per_rank
+        loss = 0.0
+    # a later micro-batch's new gradient beside the accumulated one; FSDP2 reduce-scatters each (its transients)
+    accumulating = [n * grad_bytes for n in rank.largest] if shard == 1 else []
     # FSDP2 (torch's _fsdp_param_group.py), beside the unit after it's reduce-scatter input (kept until this unit's
     # post_backward): at its backward's start (last block) the all-gather output and its copy-out (2p), at its end
     # (first block) its parameters, the unit before it's all-gather output (prefetched) and its whole gradients
@@ -110,7 +131,7 @@ def rank_memory(
             transients[end - 1] = max(transients[end - 1], at_start)
             transients[start] = max(transients[start], at_end)
     peak = peak_of_step(grads, micro_acts, at_first_grad=at_first_grad, with_grads=with_grads, transients=transients,
-                        loss=rank.loss * micro)  # fmt: skip
+                        loss=loss, accumulating=accumulating, loss_backward=rank.loss_backward * micro)  # fmt: skip
     gathered = max(transients, default=0.0)
     activations = peak - sum(grads) - gathered + rank.rematerialised * micro
     temporaries = rank.update / shard * state_bytes

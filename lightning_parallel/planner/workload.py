@@ -34,6 +34,10 @@ class Block:
         loss_input: Elements per sample of that loss's input (the logits, the block's output), held beside what the
             loss saves only while the loss's forward runs: a micro-batch's peak on the rank holding the loss.
         tp_loss_input: Of which split across tensor-parallel ranks.
+        loss_backward: Elements per sample of the gradients that loss's backward holds at once, until its input's
+            gradient is made (``loss_backward.py``), held while the block's backward starts.
+        tp_loss_backward: What a loss run on tensor-parallel shards (``tensor/vocab_loss.py``) holds instead, split
+            across the ranks (its input's gradient made once, in place); 0 = the loss runs whole.
         output: Elements of the block's output per sample: what a pipeline boundary after it sends.
         collectives: Tensor-parallel collectives per forward + backward: ``(kind, elements per sample)``.
         seconds: Measured forward + backward time ``(fixed, per sample)`` on one device; None = from FLOPs.
@@ -57,6 +61,8 @@ class Block:
     tp_outside_activations: float = 0.0
     loss_input: float = 0.0
     tp_loss_input: float = 0.0
+    loss_backward: float = 0.0
+    tp_loss_backward: float = 0.0
     output: float = 0.0
     collectives: tuple[tuple[str, float], ...] = ()
     seconds: tuple[float, float] | None = None
