@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from lightning_parallel.seams import stager_spent
+
 
 class BackgroundWrite:
     """At most one write in flight, in one background thread.
@@ -45,6 +47,8 @@ class BackgroundWrite:
         """torch's staging (`async_save(async_stager=...)` takes it too), kept across saves for its CPU storage;
         only usable once the previous write ended (the storage it reuses is that write's)."""
         self.wait()
+        if self._stager is not None and stager_spent(self._stager):  # torch 2.11: one stage per stager
+            self._stager = None
         if self._stager is None:
             options = StagingOptions(  # in this thread, into private memory; pinned only where CUDA copies from it
                 use_pinned_memory=torch.cuda.is_available(),

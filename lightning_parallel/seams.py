@@ -48,6 +48,15 @@ def private_method(owner: object, name: str, *, library: str, why: str, paramete
     return method
 
 
+def stager_spent(stager: object) -> bool:
+    """Whether torch's `DefaultStager` closed its copier after staging: torch 2.11 does so after every stage (its
+    copy table cleared, so a second stage fails with `KeyError: <class 'type'>`); 2.13 keeps it for the next save."""
+    table = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
+    if not isinstance(table, dict):
+        raise changed("torch", "DefaultStager._state_dict_stager._deepcopy_dispatch", "reuse a checkpoint stager")
+    return not table
+
+
 def initialise_fsdp_root(module: torch.nn.Module) -> None:
     """FSDP2's lazy initialisation of `module` as the root over the FSDP2 modules inside it (torch runs it at the
     root's first forward; a pipeline stage calls the blocks, never the root), so they share one state."""

@@ -299,3 +299,23 @@ def test_a_detached_stage_input_sends_zeros_back_on_torch_before_2_13(monkeypatc
     else:  # 2.13 expects no gradient for it: the stage is left as torch made it
         with pytest.raises(RuntimeError, match="has gradients None"):
             stage.get_bwd_send_ops(0)
+
+
+def test_a_background_write_stages_every_save_whether_torch_spends_its_stager_or_not() -> None:
+    """torch 2.11's DefaultStager clears its copy table after one stage (a second failed with KeyError <class 'type'>);
+    BackgroundWrite then takes a fresh one. Staged three times here, on whichever torch runs the suite."""
+    from lightning_parallel.background_write import BackgroundWrite
+
+    writes = BackgroundWrite()
+    try:
+        for step in range(3):
+            staged = writes.stage({"step": step, "model": {"w": torch.full((3,), float(step))}})
+            assert staged["step"] == step and torch.equal(staged["model"]["w"], torch.full((3,), float(step)))
+    finally:
+        writes.close()
+    spent = SimpleNamespace(_state_dict_stager=SimpleNamespace(_deepcopy_dispatch={}))
+    assert seams.stager_spent(spent) and not seams.stager_spent(
+        SimpleNamespace(_state_dict_stager=SimpleNamespace(_deepcopy_dispatch={int: None}))
+    )
+    with pytest.raises(seams.SeamChanged, match="DefaultStager"):
+        seams.stager_spent(SimpleNamespace())
