@@ -31,7 +31,8 @@ def measure_block_costs(
 ) -> list[float]:
     """Fastest seconds of forward + backward per block, feeding each block the previous block's output.
 
-    The fastest of the repeats, not their median: on a shared machine other work only ever adds time.
+    The fastest of the repeats, not their median: on a shared machine other work only ever adds time. On CPU the
+    process's CPU time, not the wall clock: other processes' load (another rank's, another job's) does not count.
 
     Args:
         network: the model as an nn.Sequential of named blocks (may live on the meta device).
@@ -39,6 +40,7 @@ def measure_block_costs(
         device: where to measure (the rank's own device).
         repeats: timed repetitions per block after one warm-up.
     """
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     costs = []
     x = sample.to(device)
     for block in network.children():
@@ -46,13 +48,13 @@ def measure_block_costs(
         inputs = x.detach().requires_grad_(x.is_floating_point())
         times = []
         for attempt in range(repeats + 1):
-            start = time.perf_counter()
+            start = clock()
             out = real(inputs)
             out.float().sum().backward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if attempt:  # the first run pays one-off allocation costs
-                times.append(time.perf_counter() - start)
+                times.append(clock() - start)
         costs.append(min(times))
         x = out.detach()
         del real
