@@ -77,3 +77,26 @@ def test_train_py_refuses_two_nodes_on_one_machine(compose_cfg, strategy: str) -
     cfg = compose_cfg(f"strategy={strategy}", "trainer.devices=2", "trainer.accelerator=cpu", "trainer.num_nodes=2")
     with pytest.raises(ConfigError, match=r"num_nodes=2, but .* HINT: on one machine use num_nodes=1"):
         build(cfg)
+
+
+TORCHRUN_RANK_1_OF_4 = {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "LOCAL_RANK": "1", "GROUP_RANK": "0"}
+
+
+@pytest.mark.parametrize(("strategy", "started", "devices"), [("pipeline", 4, 1), ("ddp", 4, 1), ("pipeline", 2, 4)])
+def test_train_py_refuses_torchrun_processes_that_are_not_the_devices(
+    compose_cfg, monkeypatch: pytest.MonkeyPatch, strategy: str, started: int, devices: int
+) -> None:
+    """`torchrun --nproc-per-node=4 train.py strategy=pipeline` with trainer.devices left at 1 died on rank 1 with
+    Lightning's IndexError in root_device (its one device indexed by local rank 1); fewer processes than devices
+    would wait for ranks that never come. Each rank refuses it in one line when the Trainer is built."""
+    from train import ConfigError, build
+
+    for name, value in {**TORCHRUN_RANK_1_OF_4, "WORLD_SIZE": str(started), "LOCAL_WORLD_SIZE": str(started)}.items():
+        monkeypatch.setenv(name, value)
+    cfg = compose_cfg(f"strategy={strategy}", f"trainer.devices={devices}", "trainer.accelerator=cpu")
+    line = (
+        f"^torchrun started {started} processes per node \\(--nproc-per-node={started}\\), but trainer.devices="
+        f"{devices}: .* HINT: trainer.devices={started} \\(or torchrun --nproc-per-node={devices}\\)$"
+    )
+    with pytest.raises(ConfigError, match=line):
+        build(cfg)
