@@ -100,3 +100,15 @@ def test_train_py_refuses_torchrun_processes_that_are_not_the_devices(
     )
     with pytest.raises(ConfigError, match=line):
         build(cfg)
+
+
+def test_srun_tasks_per_node_that_are_not_the_devices_are_refused() -> None:
+    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+    from lightning_parallel.strategies.peers import check_launched
+
+    with pytest.raises(ValueError, match=r"^srun started 2 processes per node .* HINT: trainer.devices=2 \(or srun"):
+        check_launched(4, SLURMEnvironment(), environ={"SLURM_NTASKS_PER_NODE": "2"})
+    check_launched(2, SLURMEnvironment(), environ={"SLURM_NTASKS_PER_NODE": "2"})
+    check_launched(2, TorchElasticEnvironment(), environ={"LOCAL_WORLD_SIZE": "2"})
+    check_launched(2, LightningEnvironment(), environ={"LOCAL_WORLD_SIZE": "4"})  # Lightning launches its own
