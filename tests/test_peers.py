@@ -82,7 +82,7 @@ def test_train_py_refuses_two_nodes_on_one_machine(compose_cfg, strategy: str) -
 TORCHRUN_RANK_1_OF_4 = {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "LOCAL_RANK": "1", "GROUP_RANK": "0"}
 
 
-@pytest.mark.parametrize(("strategy", "started", "devices"), [("pipeline", 4, 1), ("ddp", 4, 1), ("pipeline", 2, 4)])
+@pytest.mark.parametrize(("strategy", "started", "devices"), [("pipeline", 4, 1), ("fsdp", 4, 1), ("pipeline", 2, 4)])
 def test_train_py_refuses_torchrun_processes_that_are_not_the_devices(
     compose_cfg, monkeypatch: pytest.MonkeyPatch, strategy: str, started: int, devices: int
 ) -> None:
@@ -100,6 +100,22 @@ def test_train_py_refuses_torchrun_processes_that_are_not_the_devices(
     )
     with pytest.raises(ConfigError, match=line):
         build(cfg)
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "ddp"])
+def test_a_strategy_refuses_torchrun_processes_that_are_not_the_devices(
+    monkeypatch: pytest.MonkeyPatch, strategy: str
+) -> None:
+    """Without train.py: our strategies refuse it as the Trainer is built (Lightning's DDP raised IndexError)."""
+    import lightning.pytorch as pl
+
+    import lightning_parallel as lp
+
+    for name, value in {**TORCHRUN_RANK_1_OF_4, "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(name, value)
+    made = lp.PipelineParallelStrategy(pipeline_parallel_size=1) if strategy == "pipeline" else DDPStrategy()
+    with pytest.raises(ValueError, match=r"^torchrun started 4 processes per node .* HINT: trainer.devices=4 "):
+        pl.Trainer(strategy=made, devices=1, accelerator="cpu", logger=False)
 
 
 def test_srun_tasks_per_node_that_are_not_the_devices_are_refused() -> None:
