@@ -18,10 +18,12 @@ from typing import Any
 import lightning.pytorch as pl
 from hydra.errors import InstantiationException, MissingConfigException, OverrideParseException
 from hydra.utils import get_class, get_object, instantiate
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_parallel.checkpoint import META_FILE, is_sharded_checkpoint, recover, saved_tensors
+from lightning_parallel.strategies.peers import check_launched
 from lightning_parallel.unpickling import UntrustedCheckpoint
 
 
@@ -96,6 +98,8 @@ def check_config(cfg: DictConfig) -> None:
     devices = cfg.trainer.devices
     if isinstance(devices, int) and devices < 1 and devices != -1:
         raise ConfigError(f"trainer.devices={devices}: a run needs at least one device. HINT: trainer.devices=1")
+    if isinstance(devices, int) and get_class(cfg.strategy._target_) is not pl.strategies.SingleDeviceStrategy:
+        check_launcher(devices)
     limit = cfg.trainer.get("limit_train_batches")
     if limit is not None and not isinstance(limit, bool) and limit == 0:
         raise ConfigError(
@@ -114,6 +118,18 @@ def check_config(cfg: DictConfig) -> None:
         warnings.warn(f"strategy=single uses one device; ignoring trainer.devices={devices}", stacklevel=2)
         with open_dict(cfg):
             cfg.trainer.devices = 1
+
+
+def check_launcher(devices: int) -> None:
+    """Under torchrun or srun, processes per node other than trainer.devices: one line on every rank before anything
+    is built, whatever the strategy (Lightning's FSDP too; strategy=auto builds the model before the Trainer). Our
+    strategies check it again as the Trainer is built, for users of the library without train.py."""
+    # the cluster environment Lightning would pick, in its order (torchrun may run inside a SLURM allocation)
+    environment = next((e() for e in (TorchElasticEnvironment, SLURMEnvironment) if e.detect()), None)
+    try:
+        check_launched(devices, environment)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
 
 
 def instantiate_at(cfg: DictConfig, key: str, **kwargs: Any) -> Any:

@@ -86,6 +86,12 @@ def alternatives(gradient_share: float) -> str:
     what the periodic and the asynchronous methods would change, and where their cost is measured."""
     periodic = " or ".join(f"strategy={m.name}" for m in SYNC_METHODS.values() if m.periodic)
     free = " or ".join(f"strategy={m.name}" for m in SYNC_METHODS.values() if not m.waits_for_slowest)
+    if f"{gradient_share:.0%}" == "0%":  # nothing worth cutting: "cutting the 0% of the step" said nothing true
+        return (
+            f"Trade-off: the gradient all-reduce takes under 1% of the step, so {periodic} (exchanging every "
+            f"`period` steps) would save almost nothing here; {free} never waits for a slow worker, but may need more "
+            f"steps to reach a target (measured: {MEASURED})."
+        )
     return (
         f"Trade-off: {periodic} exchange every `period` steps, cutting the {gradient_share:.0%} of the step spent "
         f"on the gradient all-reduce about period-fold, and {free} never waits for a slow worker; both may need "

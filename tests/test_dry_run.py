@@ -14,6 +14,7 @@ import torch
 
 import lightning_parallel as lp
 from lightning_parallel.dryrun.role import Role, measure_role
+from lightning_parallel.dryrun.run import _untried
 from lightning_parallel.insight.sweep_report import load_jobs, markdown_table
 from lightning_parallel.models import GPT
 from lightning_parallel.tasks import LanguageModelTask
@@ -108,6 +109,30 @@ def test_refusal_names_the_role_its_bytes_and_the_limit(three_d: lp.dryrun.DryRu
     assert line is not None and "\n" not in line
     assert "pp rank 0" in line and str(three_d.rows[0].measured["total"]) in line and f"({limit} bytes)" in line
     assert replace(three_d, limit=max(r.measured["total"] for r in three_d.rows)).refusal is None
+
+
+def test_the_refusal_suggests_only_what_would_change_the_peak(three_d: lp.dryrun.DryRun) -> None:
+    """Its HINT suggested replicas=fsdp where it was set already, and a smaller batch for a set-up peak (parameters
+    alone): it names only the options not yet set, and for a set-up peak none that act on the step."""
+    step = replace(three_d, limit=three_d.rows[0].measured["total"] - 1).refusal
+    assert step is not None and "replicas=fsdp" not in step  # three_d's replicas are FSDP2 already
+    assert "HINT: raise the tensor or pipeline size, use activation_checkpointing=full or use a smaller batch" in step
+    row = replace(three_d.rows[0], set_up_peak_bytes=three_d.rows[0].measured["total"] + 1)
+    set_up = replace(three_d, rows=[row], limit=row.set_up_peak_bytes - 1, untried=("replicas=fsdp", "x=y")).refusal
+    assert set_up is not None and "while materialising" in set_up
+    assert "HINT: raise the tensor or pipeline size or use replicas=fsdp; a network that does not initialise" in set_up
+    assert "batch" not in set_up and "x=y" not in set_up
+    tensor = lp.TensorParallelStrategy(tensor_parallel_size=2, data_parallel_size=8, activation_checkpointing="full")
+    cases = [
+        (lp.PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2), 16, ["replicas", "full"]),
+        (lp.PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2), 4, ["full"]),  # one replica
+        (lp.PipelineParallelStrategy(pipeline_parallel_size=2, activation_checkpointing="full"), 8, ["replicas"]),
+        (tensor, 16, []),  # its replicas are FSDP2 always
+    ]
+    names = {"replicas": "replicas=fsdp", "full": "activation_checkpointing=full"}
+    for strategy, world, expected in cases:
+        strategy._dims = strategy.resolve_dims(world)
+        assert _untried(strategy) == tuple(names[e] for e in expected), (strategy, world)
 
 
 def test_train_py_dry_run_writes_its_rows_and_refuses_what_does_not_fit(tmp_path: Path) -> None:

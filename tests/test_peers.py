@@ -77,3 +77,54 @@ def test_train_py_refuses_two_nodes_on_one_machine(compose_cfg, strategy: str) -
     cfg = compose_cfg(f"strategy={strategy}", "trainer.devices=2", "trainer.accelerator=cpu", "trainer.num_nodes=2")
     with pytest.raises(ConfigError, match=r"num_nodes=2, but .* HINT: on one machine use num_nodes=1"):
         build(cfg)
+
+
+TORCHRUN_RANK_1_OF_4 = {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "LOCAL_RANK": "1", "GROUP_RANK": "0"}
+
+
+@pytest.mark.parametrize(("strategy", "started", "devices"), [("pipeline", 4, 1), ("fsdp", 4, 1), ("pipeline", 2, 4)])
+def test_train_py_refuses_torchrun_processes_that_are_not_the_devices(
+    compose_cfg, monkeypatch: pytest.MonkeyPatch, strategy: str, started: int, devices: int
+) -> None:
+    """`torchrun --nproc-per-node=4 train.py strategy=pipeline` with trainer.devices left at 1 died on rank 1 with
+    Lightning's IndexError in root_device (its one device indexed by local rank 1); fewer processes than devices
+    would wait for ranks that never come. Each rank refuses it in one line when the Trainer is built."""
+    from train import ConfigError, build
+
+    for name, value in {**TORCHRUN_RANK_1_OF_4, "WORLD_SIZE": str(started), "LOCAL_WORLD_SIZE": str(started)}.items():
+        monkeypatch.setenv(name, value)
+    cfg = compose_cfg(f"strategy={strategy}", f"trainer.devices={devices}", "trainer.accelerator=cpu")
+    line = (
+        f"^torchrun started {started} processes per node \\(--nproc-per-node={started}\\), but trainer.devices="
+        f"{devices}: .* HINT: trainer.devices={started} \\(or torchrun --nproc-per-node={devices}\\)$"
+    )
+    with pytest.raises(ConfigError, match=line):
+        build(cfg)
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "ddp"])
+def test_a_strategy_refuses_torchrun_processes_that_are_not_the_devices(
+    monkeypatch: pytest.MonkeyPatch, strategy: str
+) -> None:
+    """Without train.py: our strategies refuse it as the Trainer is built (Lightning's DDP raised IndexError)."""
+    import lightning.pytorch as pl
+
+    import lightning_parallel as lp
+
+    for name, value in {**TORCHRUN_RANK_1_OF_4, "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(name, value)
+    made = lp.PipelineParallelStrategy(pipeline_parallel_size=1) if strategy == "pipeline" else DDPStrategy()
+    with pytest.raises(ValueError, match=r"^torchrun started 4 processes per node .* HINT: trainer.devices=4 "):
+        pl.Trainer(strategy=made, devices=1, accelerator="cpu", logger=False)
+
+
+def test_srun_tasks_per_node_that_are_not_the_devices_are_refused() -> None:
+    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+    from lightning_parallel.strategies.peers import check_launched
+
+    with pytest.raises(ValueError, match=r"^srun started 2 processes per node .* HINT: trainer.devices=2 \(or srun"):
+        check_launched(4, SLURMEnvironment(), environ={"SLURM_NTASKS_PER_NODE": "2"})
+    check_launched(2, SLURMEnvironment(), environ={"SLURM_NTASKS_PER_NODE": "2"})
+    check_launched(2, TorchElasticEnvironment(), environ={"LOCAL_WORLD_SIZE": "2"})
+    check_launched(2, LightningEnvironment(), environ={"LOCAL_WORLD_SIZE": "4"})  # Lightning launches its own

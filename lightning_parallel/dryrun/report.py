@@ -75,6 +75,7 @@ class DryRun:
     rows: list[RoleRow]
     limit: int | None
     planner: str
+    untried: tuple[str, ...] = ()  # the strategy's options that would lower a step's peak, not yet set
 
     @property
     def refusal(self) -> str | None:
@@ -88,11 +89,21 @@ class DryRun:
                 return (
                     f"{row.role} (global rank {row.global_rank}, {row.ranks} ranks alike) of {self.layout} needs "
                     f"{human_bytes(need)} ({need} bytes) {when}, over the device memory of {human_bytes(self.limit)} "
-                    f"({self.limit} bytes). HINT: raise the tensor or pipeline size, use replicas=fsdp, activation "
-                    "checkpointing or a smaller batch; a network that does not initialise by name "
-                    "(weights.init_by_name) is materialised whole before it is sharded"
+                    f"({self.limit} bytes). HINT: {self._remedies(step=set_up <= step)}"
                 )
         return None
+
+    def _remedies(self, *, step: bool) -> str:
+        """Only what would change the peak: a step's peak falls with activation checkpointing or a smaller batch, a
+        set-up peak (parameters alone) with neither; replicas=fsdp where it is not set already."""
+        options = ["raise the tensor or pipeline size"]
+        options += [f"use {option}" for option in self.untried if step or option.startswith("replicas")]
+        if not step:
+            return (
+                " or ".join(options) + "; a network that does not initialise by name (weights.init_by_name) is "
+                "materialised whole before it is sharded"
+            )
+        return ", ".join(options) + " or use a smaller batch"
 
     def to_json(self) -> dict[str, Any]:
         rows = [{**asdict(row), "miss": row.miss} for row in self.rows]

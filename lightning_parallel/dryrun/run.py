@@ -82,10 +82,22 @@ def dry_run(
             rows=rows,
             limit=device_limit(device_memory),
             planner=planner,
+            untried=_untried(strategy),
         )
         if output_dir is not None:
             result.write(Path(output_dir) / "dry_run.json")
         return result
+
+
+def _untried(strategy: MeshStrategy) -> tuple[str, ...]:
+    """The strategy's options that would lower a rank's peak and are not set: FSDP2 replicas (the tensor strategy's
+    are already; at one replica they shard nothing), full activation checkpointing."""
+    untried = []
+    if isinstance(strategy, PipelineParallelStrategy) and strategy.replicas != "fsdp" and strategy.dims.dp > 1:
+        untried.append("replicas=fsdp")
+    if strategy.activation_checkpointing != "full":
+        untried.append("activation_checkpointing=full")
+    return tuple(untried)
 
 
 def _prediction(

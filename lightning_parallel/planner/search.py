@@ -186,6 +186,10 @@ def _rate(samples_per_second: float) -> str:
     return f"{samples_per_second:,.0f}" if samples_per_second >= 100 else f"{samples_per_second:.3g}"
 
 
+def _percent(share: float) -> str:
+    return "under 1%" if f"{share:.0%}" == "0%" else f"{share:.0%}"
+
+
 def _shares(estimate: Estimate) -> str:
     step, t = estimate.step_time, estimate.time
     parts = [("compute", t["compute"]), ("pipeline bubble", t["bubble"]), ("communication", estimate.communication),
@@ -235,7 +239,7 @@ def _why(result: Plan, best: Estimate) -> str:
         if rival is None:
             return f"{whole} and no other kind of layout fits"
         return (
-            f"{whole} and only gradients cross devices ({best.communication / best.step_time:.0%} of the step), "
+            f"{whole} and only gradients cross devices ({_percent(best.communication / best.step_time)} of the step), "
             f"{best.throughput / rival.throughput:.2f}x the best {rival.layout.kind} layout, {describe(rival.layout)}"
         )
     if plain is None:

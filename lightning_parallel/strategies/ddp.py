@@ -17,7 +17,7 @@ from lightning_parallel.lightning_seams import finish_restored_epoch
 from lightning_parallel.replica_calls import ReplicaCalls
 from lightning_parallel.strategies.arguments import check_timeout
 from lightning_parallel.strategies.module_access import ModuleAccess
-from lightning_parallel.strategies.peers import PeerFailure, check_nodes, stop_peers
+from lightning_parallel.strategies.peers import PeerFailure, check_launched, check_nodes, stop_peers
 from lightning_parallel.strategies.process_group import name_the_hang, replica_calls, start_process_group
 from lightning_parallel.token_mean import step_over_replicas
 
@@ -92,6 +92,7 @@ class DDPStrategy(ModuleAccess, LightningDDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         check_nodes(self.num_nodes, self.cluster_environment)  # in the main process, before any launch
+        check_launched(self.num_processes, self.cluster_environment)
         super()._configure_launcher()
 
     @override

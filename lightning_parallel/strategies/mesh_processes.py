@@ -39,7 +39,7 @@ from typing_extensions import override
 from lightning_parallel.dims import ParallelDims
 from lightning_parallel.seams import changed
 from lightning_parallel.strategies.arguments import check_backend, check_timeout
-from lightning_parallel.strategies.peers import PeerFailure, check_nodes, stop_peers
+from lightning_parallel.strategies.peers import PeerFailure, check_launched, check_nodes, stop_peers
 from lightning_parallel.strategies.process_group import name_the_hang, start_process_group
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)  # Lightning's default is 30 minutes of a silent hang
@@ -147,6 +147,7 @@ class MeshProcesses(ParallelStrategy):
     def _configure_launcher(self) -> None:
         # Runs in the main process when the Trainer is built: the place to fail before any launch.
         check_nodes(self.num_nodes, self.cluster_environment)
+        check_launched(self.num_processes, self.cluster_environment)  # torchrun/srun: before root_device is read
         self._dims = self.resolve_dims(self.num_processes * self.num_nodes)
         self._dims.check_tp_fits_nodes(self.num_processes)  # tp inside a node; pp and dp may cross nodes
         assert self.cluster_environment is not None

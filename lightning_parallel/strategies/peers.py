@@ -1,5 +1,6 @@
-"""A run's other processes: refuse a node count nothing can satisfy, and when a launched rank dies (or one a
-collective waited for stops answering), name it first and stop the others.
+"""A run's other processes: refuse a node count nothing can satisfy, or a launcher's processes per node that are not
+the devices; when a launched rank dies (or one a collective waited for stops answering), name it first and stop the
+others.
 
 Lightning kills the processes it launched only on Ctrl+C; after any other error a peer stuck in a collective
 or in user code would be left running. Used by the mesh strategies and by our DDP.
@@ -15,7 +16,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment, TorchElasticEnvironment
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from lightning_parallel.heartbeat import Hang
@@ -37,6 +38,24 @@ def check_nodes(num_nodes: int, environment: object, environ: Mapping[str, str] 
         f"NODE_RANK), so it would wait for {num_nodes - 1} more node(s) until the timeout. HINT: on one machine use "
         f"num_nodes=1; across machines run `torchrun --nnodes={num_nodes} ...` (or srun) on each node, or set "
         "NODE_RANK, MASTER_ADDR and MASTER_PORT on each"
+    )
+
+
+def check_launched(devices: int, environment: object, environ: Mapping[str, str] = os.environ) -> None:
+    """Under torchrun or srun the launcher starts the processes and Lightning indexes its devices by each one's
+    local rank: more processes per node than `devices` fail with an IndexError on the extra ranks, fewer wait for
+    ranks that never come. Refuse the mismatch in one line, the same on every rank, before the model is built."""
+    if isinstance(environment, TorchElasticEnvironment):
+        count, launcher, flag = environ.get("LOCAL_WORLD_SIZE"), "torchrun", "--nproc-per-node"
+    elif isinstance(environment, SLURMEnvironment):
+        count, launcher, flag = environ.get("SLURM_NTASKS_PER_NODE"), "srun", "--ntasks-per-node"
+    else:
+        return
+    if count is None or not count.isdigit() or int(count) == devices:
+        return
+    raise ValueError(
+        f"{launcher} started {count} processes per node ({flag}={count}), but trainer.devices={devices}: Lightning "
+        f"runs one process per device. HINT: trainer.devices={count} (or {launcher} {flag}={devices})"
     )
 
 
