@@ -269,6 +269,10 @@ NEEDS_TORCH: dict[str, tuple[tuple[int, int], str]] = {
         (2, 13),
         "2.11 hangs in a collective, 2.12 cannot swap a DTensor parameter in Module.to",
     ),
+    "a fused projection split by heads (qkv_colwise, packed_colwise)": (
+        (2, 13),
+        "2.11's DTensor cannot redistribute its interleaved shard (_StridedShard) in the backward; 2.12 not measured",
+    ),
 }
 
 

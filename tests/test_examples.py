@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs_torch_2_13
 from distributed import run_script
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
@@ -59,6 +60,7 @@ def test_drop_in_example_trains_under_every_registered_name(tmp_path: Path, monk
     os.environ.update(environment)
 
 
+@needs_torch_2_13  # its loss from labels sends integers between pipeline stages, refused before 2.13
 @pytest.mark.slow
 def test_transformers_example_trains_padded_batches_and_exports_them_back(tmp_path: Path) -> None:
     pytest.importorskip("transformers")

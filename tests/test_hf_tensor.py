@@ -82,6 +82,7 @@ def check(name: str, results: list[dict[str, Any]], ref: dict[str, Any], layout:
         assert all(count == VAL_STEPS for count in gathered), gathered
 
 
+@needs_torch_2_13  # GPT-2's fused q | k | v split by heads is refused before 2.13 (test_hf_tensor_plans)
 @pytest.mark.slow
 def test_transformers_models_at_tp2_match_one_device_and_resume(tmp_path: Path) -> None:
     saved = tmp_path / "saved"

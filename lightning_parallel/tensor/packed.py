@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
+from lightning_parallel.seams import refuse_older_torch
 from lightning_parallel.tensor.local_output import own_local
 from lightning_parallel.tensor.transposed_linear import Conv1D
 
@@ -45,6 +46,10 @@ class PackedColwiseParallel(ParallelStyle):
         self.input_layouts = input_layouts or Replicate()
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        refuse_older_torch(
+            "a fused projection split by heads (qkv_colwise, packed_colwise)",
+            f"leave {name or type(module).__name__} out of the tensor plan (it then stays whole on every rank)",
+        )
         out_dim = 1 if isinstance(module, Conv1D) else 0  # Conv1D stores (in, out)
         for key, dim in (("weight", out_dim), ("bias", 0)):
             param = module._parameters.get(key)
