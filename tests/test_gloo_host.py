@@ -1,7 +1,8 @@
 """The gloo_host backend's ops on two ranks in one process (a thread each, over one in-memory store), CPU tensors staged
 as CUDA ones are: point to point in both orders, the coalesced all-gather and reduce-scatter under torch 2.11's and
 2.13's names, in-place collectives; results land in the caller's tensors at the wait, not before. And FSDP2 replicas
-under the tensor strategy (dp2 x tp2) on four threads, each with a world of its own, against one process."""
+under the tensor strategy (dp2 x tp2) on four threads, each with a world of its own, against one process, and their
+checkpoint view of a conv_colwise weight staged for a background write."""
 
 from __future__ import annotations
 
@@ -48,6 +49,25 @@ def on_ranks(step: Callable[[int], Any], size: int = 2) -> list[Any]:
     if errors:
         raise errors[0]
     return results
+
+
+def on_threaded_ranks(step: Callable[[int], Any], size: int) -> list[Any]:
+    """`on_ranks` with each thread a rank of torch's thread-local world (a default group of its own, group names
+    resolved per thread) over gloo_host staging CPU tensors as CUDA ones."""
+    from torch.testing._internal.distributed import multi_threaded_pg
+    from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gloo_host, "STAGE_CPU_TENSORS", True)
+        _install_threaded_pg()
+        if not hasattr(multi_threaded_pg.ThreadLocalWorld, "comms"):  # torch 2.11's lacks the list its
+            patch.setattr(multi_threaded_pg.ThreadLocalWorld, "comms", [], raising=False)  # destroy clears
+        torch._C._distributed_c10d._set_thread_isolation_mode(True)
+        try:
+            return on_ranks(step, size=size)
+        finally:
+            torch._C._distributed_c10d._set_thread_isolation_mode(False)
+            _uninstall_threaded_pg()
 
 
 def test_the_backend_is_registered_and_strategies_take_it() -> None:
@@ -143,8 +163,6 @@ def test_fsdp2_replicas_under_the_tensor_strategy_go_through_it() -> None:
     tensors as CUDA ones: FSDP2's all-gathers and reduce-scatters, DTensor's collectives, and two AdamW steps equal one
     process's (losses as each replica's mean of its half batch, every parameter within 1e-5)."""
     from simulated import next_token_loss, settings
-    from torch.testing._internal.distributed import multi_threaded_pg
-    from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
 
     from lightning_parallel.dims import ParallelDims
     from lightning_parallel.models.transformer import GPT
@@ -191,17 +209,8 @@ def test_fsdp2_replicas_under_the_tensor_strategy_go_through_it() -> None:
             dist.destroy_process_group()
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gloo_host, "STAGE_CPU_TENSORS", True)
         patch.setattr(gloo_host.HostStagedGroup, "_run", counted)
-        _install_threaded_pg()  # each thread its own default group, and group names resolved per thread
-        if not hasattr(multi_threaded_pg.ThreadLocalWorld, "comms"):  # torch 2.11's lacks the list its
-            patch.setattr(multi_threaded_pg.ThreadLocalWorld, "comms", [], raising=False)  # destroy clears
-        torch._C._distributed_c10d._set_thread_isolation_mode(True)
-        try:
-            results = on_ranks(rank, size=4)
-        finally:
-            torch._C._distributed_c10d._set_thread_isolation_mode(False)
-            _uninstall_threaded_pg()
+        results = on_threaded_ranks(rank, size=4)
     assert {("all_gather_single", 2), ("reduce_scatter_single", 2)} <= set(ops), sorted(set(ops))  # FSDP2's, on "dp"
     for rank, (losses, state) in enumerate(results):
         other = results[(rank + 2) % 4][0]  # the other replica's rank at the same tensor rank
@@ -209,3 +218,41 @@ def test_fsdp2_replicas_under_the_tensor_strategy_go_through_it() -> None:
         torch.testing.assert_close(torch.tensor(means), torch.tensor(expected_losses), rtol=0, atol=1e-5)
         for name, value in expected.items():
             torch.testing.assert_close(state[name], value, rtol=0, atol=1e-5, msg=f"{name} on rank {rank}")
+
+
+def test_fsdp2_replicas_over_conv_colwise_stage_for_a_background_checkpoint() -> None:
+    """dp2 x tp2 of a 256-channel conv_colwise (ResNet-18's layer3/4 conv1) under FSDP2 replicas: its checkpoint view
+    (`savable`, the interleaved shard as a contiguous one) is copied to CPU memory as a background write stages it,
+    on every rank. DTensor's redistribution handed tensor rank 1 a view into its gathered buffer, which torch's
+    staging failed on ('copy_() on an invalid python storage'); the copy equals the view, which equals the weight."""
+    from simulated import settings
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from lightning_parallel.background_write import BackgroundWrite
+    from lightning_parallel.dims import ParallelDims
+    from lightning_parallel.parallelize import parallelize_tensor
+    from lightning_parallel.tensor.packed import savable
+
+    torch.manual_seed(0)
+    whole = torch.randn(256, 256, 3, 3)
+    dims, store = ParallelDims(dp=2, pp=1, tp=2), dist.HashStore()
+
+    def save(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dist.init_process_group("gloo_host", store=store, rank=rank, world_size=4, timeout=timedelta(seconds=60))
+        try:
+            network = torch.nn.Sequential(torch.nn.Conv2d(256, 256, 3, bias=False))
+            with torch.no_grad():
+                network[0].weight.copy_(whole)
+            options = settings(dims, dims.build_mesh("cpu"))
+            options.plan = {"0": "conv_colwise"}
+            parallelize_tensor(network, network, options, configured=False)
+            view = savable(get_model_state_dict(network))["0.weight"]
+            staged = BackgroundWrite().stage({"0.weight": view})["0.weight"]
+            return staged.to_local(), view.to_local(), view.full_tensor()
+        finally:
+            dist.destroy_process_group()
+
+    for rank, (staged, view, gathered) in enumerate(on_threaded_ranks(save, size=4)):
+        assert staged.device.type == "cpu" and torch.equal(staged, view), rank
+        assert torch.equal(view, whole[64 * rank : 64 * rank + 64]), rank  # (Shard(0), Shard(0)): ranks in order
+        assert torch.equal(gathered, whole), rank

@@ -112,4 +112,16 @@ def _contiguous(tensor: DTensor) -> DTensor:
     if not any(isinstance(p, _StridedShard) for p in tensor.placements):
         return tensor
     placements = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in tensor.placements]
-    return tensor.redistribute(tensor.device_mesh, placements)
+    moved = tensor.redistribute(tensor.device_mesh, placements)
+    local = moved.to_local()
+    if local.storage_offset() == 0 and local.untyped_storage().nbytes() == local.numel() * local.element_size():
+        return moved
+    # The redistribution may hand back a view into its gathered buffer (FSDP2 over conv_colwise, tensor rank 1:
+    # ResNet-18's layer3/4 conv1). A DTensor over a view that starts past its storage's start is one DCP's background
+    # staging cannot copy (torch's StateDictStager takes it for a plain tensor: "copy_() on an invalid python
+    # storage"), and the view would keep the whole buffer (tp x the shard) until the write ends: a compact copy.
+    with torch.no_grad():
+        local = local.clone(memory_format=torch.contiguous_format)
+    return DTensor.from_local(
+        local, moved.device_mesh, moved.placements, run_check=False, shape=moved.shape, stride=moved.stride()
+    )
