@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from lightning_parallel.seams import torch_at_least
 from lightning_parallel.tensor.packed import splits_a_dimension
 
 # torch optimizers whose update DTensor cannot run on a sharded parameter, why, and the first torch that can (None:
@@ -30,11 +31,7 @@ CANNOT_STEP_REPLICAS: dict[str, tuple[int, int]] = {"Rprop": (2, 13)}
 
 def _refused_here(name: str) -> bool:
     fixed_in = CANNOT_STEP_SHARDS[name][1]
-    return fixed_in is None or _older_than(fixed_in)
-
-
-def _older_than(first: tuple[int, int]) -> bool:
-    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < first
+    return fixed_in is None or not torch_at_least(fixed_in)
 
 
 def kind(tensor: torch.Tensor) -> Hashable:
@@ -107,7 +104,7 @@ def refuse_unsteppable(optimizer: torch.optim.Optimizer) -> None:
     listed = (n for n in CANNOT_STEP_SHARDS if _refused_here(n))
     name = next((n for n in listed if isinstance(optimizer, getattr(torch.optim, n, ()))), None)
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    everywhere = name in CANNOT_STEP_REPLICAS and _older_than(CANNOT_STEP_REPLICAS[name])
+    everywhere = name in CANNOT_STEP_REPLICAS and not torch_at_least(CANNOT_STEP_REPLICAS[name])
     dtensors = [p for p in params if isinstance(p, DTensor)]
     refused = [p for p in dtensors if everywhere or any(splits_a_dimension(s) for s in p.placements)]
     if name is not None and refused:

@@ -144,7 +144,7 @@ def send_zero_gradients(stage: Any) -> None:
     one) and fails on one it has none for ("has gradients None and is expecting to send gradients"): an input a traced
     stage takes detached (`stage_gradients`: RoPE's cos / sin, a float mask) gets zeros there, so nothing is computed
     or saved for it, but the previous stage still receives as many bytes. From torch 2.13 on no gradient is expected."""
-    if _torch_at_least((2, 13)):
+    if torch_at_least((2, 13)):
         return
     send = private_method(stage, "get_bwd_send_ops", library="torch", why="send no gradient for detached inputs")
 
@@ -163,7 +163,8 @@ def send_zero_gradients(stage: Any) -> None:
     stage.get_bwd_send_ops = filled
 
 
-def _torch_at_least(first: tuple[int, int]) -> bool:
+def torch_at_least(first: tuple[int, int]) -> bool:
+    """Whether the installed torch is `first` (major, minor) or newer; a local build's "+cpu" ignored."""
     return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= first
 
 
@@ -279,7 +280,7 @@ NEEDS_TORCH: dict[str, tuple[tuple[int, int], str]] = {
 def refuse_older_torch(feature: str, hint: str) -> None:
     """Raise one line when the installed torch is older than the first one `feature` passed on (`NEEDS_TORCH`)."""
     first, why = NEEDS_TORCH[feature]
-    if tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < first:
+    if not torch_at_least(first):
         raise ValueError(
             f"{feature} needs torch >= {first[0]}.{first[1]}, installed {torch.__version__} ({why}). HINT: pip install "
             f"'torch>={first[0]}.{first[1]}', or {hint}"

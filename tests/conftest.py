@@ -16,6 +16,8 @@ from distributed import run_script
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from lightning_parallel import seams
+
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 
@@ -96,6 +98,4 @@ def fake_world(size: int) -> Iterator[None]:
 
 # Integer tensors crossing stages and tensor parallelism inside traced stages need torch >= 2.13
 # (`seams.NEEDS_TORCH`); older torch refuses them in one line (test_older_torch_refuses_in_one_line).
-needs_torch_2_13 = pytest.mark.skipif(
-    tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13), reason="needs torch >= 2.13"
-)
+needs_torch_2_13 = pytest.mark.skipif(not seams.torch_at_least((2, 13)), reason="needs torch >= 2.13")
