@@ -1,0 +1,60 @@
+"""What differs on torch 2.11 / 2.12 and how each seam absorbs it, checked on whichever torch runs the suite (the
+older torch's behaviour imitated where it matters): gradients for detached stage inputs, a spent checkpoint stager."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_parallel import seams
+
+
+class _Stage211Grads:  # torch 2.11's stage: every received input's buffer requires grad, a gradient goes back for each
+    is_first = False
+
+    def __init__(self, grads: tuple) -> None:
+        buffer = torch.zeros(2, 3, requires_grad=True)
+        self.args_recv_info = {0: (SimpleNamespace(buffer=buffer), SimpleNamespace(buffer=buffer))}
+        self.bwd_cache = {0: grads}
+
+    def get_bwd_send_ops(self, chunk: int) -> list:
+        grads = self.bwd_cache.pop(chunk)
+        if any(grad is None for grad in grads):
+            raise RuntimeError("has gradients None and is expecting to send gradients to stage 0")
+        return list(grads)
+
+
+@pytest.mark.parametrize("installed", ["2.11.0+cu130", "2.13.0+cpu"])
+def test_a_detached_stage_input_sends_zeros_back_on_torch_before_2_13(monkeypatch, installed: str) -> None:
+    monkeypatch.setattr(torch, "__version__", installed)
+    stage = _Stage211Grads((torch.ones(2, 3), None))  # hidden states' gradient, none for RoPE's cos (detached)
+    seams.send_zero_gradients(stage)
+    if installed.startswith("2.11"):
+        sent = stage.get_bwd_send_ops(0)
+        assert [float(g.sum()) for g in sent] == [6.0, 0.0] and sent[1].shape == (2, 3)
+    else:  # 2.13 expects no gradient for it: the stage is left as torch made it
+        with pytest.raises(RuntimeError, match="has gradients None"):
+            stage.get_bwd_send_ops(0)
+
+
+def test_a_background_write_stages_every_save_whether_torch_spends_its_stager_or_not() -> None:
+    """torch 2.11's DefaultStager clears its copy table after one stage (a second failed with KeyError <class 'type'>);
+    BackgroundWrite then takes a fresh one. Staged three times here, each stager spent as 2.11 spends it."""
+    from lightning_parallel.background_write import BackgroundWrite
+
+    writes = BackgroundWrite()
+    try:
+        for step in range(3):
+            staged = writes.stage({"step": step, "model": {"w": torch.full((3,), float(step))}})
+            assert staged["step"] == step and torch.equal(staged["model"]["w"], torch.full((3,), float(step)))
+            writes.stager._state_dict_stager.close()  # what torch 2.11 does at the end of each stage
+    finally:
+        writes.close()
+    spent = SimpleNamespace(_state_dict_stager=SimpleNamespace(_deepcopy_dispatch={}))
+    assert seams.stager_spent(spent) and not seams.stager_spent(
+        SimpleNamespace(_state_dict_stager=SimpleNamespace(_deepcopy_dispatch={int: None}))
+    )
+    with pytest.raises(seams.SeamChanged, match="DefaultStager"):
+        seams.stager_spent(SimpleNamespace())
