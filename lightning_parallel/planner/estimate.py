@@ -288,17 +288,9 @@ class CostModel:
                              [size for _, size in figures.replica_units],
                              [start for start, _ in figures.replica_units], figures.update, figures.loss,
                              figures.block_largest, figures.loss_backward)  # fmt: skip
-            memories.append(
-                rank_memory(
-                    held,
-                    micro=micro,
-                    shard=layout.dp if layout.dp_shard else 1,
-                    stages_per_rank=layout.stages_per_rank,
-                    at_first_grad=first,
-                    with_grads=after,
-                    sizes=sizes,
-                    optimizer_states=self.optimizer_states,
-                    holds_output=layout.pp > 1,
-                )
-            )
+            memories.append(rank_memory(
+                held, micro=micro, shard=layout.dp if layout.dp_shard else 1, stages_per_rank=layout.stages_per_rank,
+                at_first_grad=first, with_grads=after, sizes=sizes, optimizer_states=self.optimizer_states,
+                holds_output=layout.pp > 1,
+            ))  # fmt: skip
         return memories
