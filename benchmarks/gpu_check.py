@@ -157,7 +157,7 @@ def rank_row(
     }
     if reference is not None and processes > 1:
         found = parity(ranks, reference)
-        tolerance = TOLERANCE[device]
+        tolerance = TOLERANCE
         within = max(found["max_loss_diff"], found["max_param_diff"]) <= tolerance and not found["missing_parameters"]
         row["parity"] = {**found, "tolerance": tolerance, "within": within}
     return row
