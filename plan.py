@@ -45,7 +45,7 @@ def build_workload(model_cfg: DictConfig, data: Any, costs: Any = "flops") -> Wo
     hints = data.model_hints
     missing = {key: value for key, value in hints.items() if OmegaConf.is_missing(model_cfg, key)}
     model_class = get_class(model_cfg._target_)
-    if model_class.input_kind != data.kind:
+    if getattr(model_class, "input_kind", data.kind) != data.kind:  # this package's models say; others are tried
         raise ValueError(
             f"model {model_class.__name__} takes {model_class.input_kind} input but the data gives {data.kind} "
             f"batches. HINT: use {'data=synthetic_tokens' if data.kind == 'image' else 'data=synthetic_images'}"
@@ -64,6 +64,11 @@ def build_workload(model_cfg: DictConfig, data: Any, costs: Any = "flops") -> Wo
     if costs == "flops":
         return workload
     if costs == "measure":
+        if not isinstance(model, torch.nn.Sequential):
+            raise ValueError(
+                f"costs=measure times an nn.Sequential's blocks one by one; {model_class.__name__} is not one. "
+                "HINT: costs=flops"
+            )
         materialize(model, torch.device("cpu"))
         seconds = measure_block_seconds(model, lambda n: sample.unsqueeze(0).expand(n, *sample.shape).contiguous())
         return workload.with_seconds(seconds)
@@ -71,6 +76,12 @@ def build_workload(model_cfg: DictConfig, data: Any, costs: Any = "flops") -> Wo
     if given is None:
         raise ValueError(f"costs={costs!r} is not flops, measure or a list of seconds. HINT: costs=measure")
     return workload.with_seconds([(0.0, float(s)) for s in given])
+
+
+def split_by_tracing(model_cfg: DictConfig) -> bool:
+    """Whether the pipeline strategy would split the model by tracing (any network but an ``nn.Sequential``), whose
+    stages run fewer layouts (``strategies.layouts.runnable``)."""
+    return not issubclass(get_class(model_cfg._target_), torch.nn.Sequential)
 
 
 def build_hardware(hardware_cfg: DictConfig, device_memory: Any) -> Hardware:
@@ -86,7 +97,7 @@ def make_plan(cfg: DictConfig) -> Plan:
     # Every row at the same global batch (by default data.batch_size), so step times compare; the train.py command
     # then gives each replica its share (data.batch_size is per replica there).
     global_batch = cfg.global_batch if cfg.global_batch is not None else data.batch_size
-    cuda = on_gpus(hardware)
+    cuda, traced = on_gpus(hardware), split_by_tracing(cfg.model)
     return plan(
         workload,
         devices=cfg.devices,
@@ -95,26 +106,31 @@ def make_plan(cfg: DictConfig) -> Plan:
         optimizer_states=cfg.optimizer_states,
         activation_checkpointing=str(cfg.activation_checkpointing),
         schedules=list(cfg.schedules) if cfg.schedules is not None else None,
-        allow=(lambda layout: runnable(layout, cuda=cuda)) if cfg.runnable_only else None,
+        allow=(lambda layout: runnable(layout, cuda=cuda, traced=traced)) if cfg.runnable_only else None,
         global_batch=global_batch,
     )
 
 
-def report(result: Plan, top: int) -> str:
-    """The header, the ranked table, the sentence, and the train.py command of the best runnable layout."""
+def report(result: Plan, top: int, *, traced: bool = False) -> str:
+    """The header, the ranked table, the sentence, and the train.py command of the best runnable layout (``traced``:
+    of a model the pipeline splits by tracing, ``split_by_tracing``)."""
     hw = result.hardware
     cuda = on_gpus(hw)
+
+    def runs(layout: Layout) -> str:
+        return (
+            (strategy_choice(layout, cuda=cuda) or ("-", {}))[0] if runnable(layout, cuda=cuda, traced=traced) else "-"
+        )
+
     shown = len(result.estimates[:top])
     lines = [
         f"{result.workload.name} on {result.devices} x {hw.name} ({hw.memory} each); "
         f"{len(result.estimates)} layouts, best {shown} shown",
-        result.table(
-            top, note=lambda layout: (strategy_choice(layout, cuda=cuda) or ("-", {}))[0], note_header="train.py"
-        ),
+        result.table(top, note=runs, note_header="train.py"),
         "",
         result.explain(),
     ]
-    best_here = next((e for e in result.estimates if e.fits and runnable(e.layout, cuda=cuda)), None)
+    best_here = next((e for e in result.estimates if e.fits and runnable(e.layout, cuda=cuda, traced=traced)), None)
     if best_here is not None:
         checkpointing = result.activation_checkpointing
         command = train_command(
@@ -146,7 +162,7 @@ def main(cfg: DictConfig) -> None:
     except (ValueError, FileNotFoundError, InstantiationException, OmegaConfBaseException) as error:
         print(f"error: {root_message(error)}", file=sys.stderr)
         sys.exit(2)
-    print(report(result, cfg.top))
+    print(report(result, cfg.top, traced=split_by_tracing(cfg.model)))
 
 
 if __name__ == "__main__":

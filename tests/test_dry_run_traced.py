@@ -13,6 +13,7 @@ from lightning_parallel.one_process_ranks import fake_rank, local_part
 from lightning_parallel.parallelize import parallelize_pipeline
 from lightning_parallel.pipeline.traced import TracedNetwork
 from lightning_parallel.pipeline.traced_sharing import sharing_traces
+from lightning_parallel.planner.presets import hardware_preset
 from lightning_parallel.weights import materialize
 from tests.hf_modules import HFLM, VOCAB, HFLlama
 
@@ -44,16 +45,20 @@ def real_parameter_bytes(pp_rank: int) -> tuple[int, list[str]]:
 
 @needs_torch_2_13  # tensor parallelism inside traced stages: refused before 2.13, in a dry run as in a real one
 def test_traced_llama_at_pp2_tp2_holds_what_a_real_set_up_holds(monkeypatch) -> None:
-    """A tiny LlamaForCausalLM built on meta, pp2 x tp2: each role's blocks and parameter bytes are those of the same
-    rank set up on real tensors, gradients as many bytes as parameters (each takes its parameter's placements),
-    AdamW's two moments; the network is traced once for all roles (4 traces: whole, every block, the split on the
-    meta device and on the batch's), not once more per role."""
+    """A tiny LlamaForCausalLM built on meta, pp2 x tp2 as strategy=auto builds it: each role's blocks and parameter
+    bytes are those of the same rank set up on real tensors, gradients as many bytes as parameters (each takes its
+    parameter's placements), AdamW's two moments; the network is traced once for all roles (4 traces: whole, every
+    block, the split on the meta device and on the batch's), not once more per role."""
+    with torch.device("meta"):
+        module = HFLlama()
+    # pp2 x tp2 is what strategy=auto picks for it on 4 devices of 256 KiB (tests/test_auto_any.py): set it up here
+    small = hardware_preset("cpu", memory="256KB")
+    strategy = lp.AutoStrategy(model=module, data=[BATCH], devices=4, accelerator="cpu", hardware=small)
+    assert strategy.auto_choice["layout"] == "dp1 x pp2 x tp2 (1f1b, 4 micro-batches)", strategy.auto_choice
     traces = []
     trace = TracedNetwork._trace
     monkeypatch.setattr(TracedNetwork, "_trace", lambda self, *a, **k: traces.append(1) or trace(self, *a, **k))
-    with torch.device("meta"):
-        module = HFLlama()
-    result = lp.dry_run(module, pipeline(4), devices=4, batch=BATCH)
+    result = lp.dry_run(module, strategy, devices=4, batch=BATCH)
     assert len(traces) == 4, len(traces)
     monkeypatch.undo()
     assert [row.role for row in result.rows] == ["pp rank 0", "pp rank 1"]

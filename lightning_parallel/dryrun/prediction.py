@@ -5,7 +5,6 @@ planner can analyse (an `nn.Sequential` of named blocks, any network from one ca
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -13,8 +12,7 @@ from torch import nn
 
 from lightning_parallel.parallelize.plan import resolve_plan
 from lightning_parallel.pipeline.partition import Partition
-from lightning_parallel.planner import CostModel, Layout, Workload, workload_from_module
-from lightning_parallel.planner.call_analysis import workload_from_call
+from lightning_parallel.planner import CostModel, Layout, Workload, workload_from_network
 from lightning_parallel.planner.presets import hardware_preset
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
@@ -42,25 +40,23 @@ def layout_of(strategy: MeshStrategy) -> Layout:
 def workload_of(
     network: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], strategy: MeshStrategy
 ) -> Workload | None:
-    """The planner's figures for the network: an `nn.Sequential` block by block (`planner.workload_from_module`),
-    any other network from one call on its inputs (`planner.workload_from_call`, the tensor plan the strategy
-    resolves; at pp > 1 run as its trace runs and its units cut as the traced stages are, `stage_cut`); None without
-    a tensor input."""
-    if isinstance(network, nn.Sequential):
-        if not args or not torch.is_tensor(args[0]):
-            return None
-        sample = args[0].to("meta")
-        if sample.shape[0] < 2:
-            sample = sample[:1].expand(2, *sample.shape[1:])
-        return workload_from_module(copy.deepcopy(network).to("meta"), sample)
+    """The planner's figures for the network, as `strategy=auto` and `plan.py` read them
+    (`planner.workload_from_network`: an `nn.Sequential` block by block, any other network from one call on its
+    inputs with the tensor plan the strategy resolves; at pp > 1 run as its trace runs and its units cut as the
+    traced stages are, `stage_cut`); None without a tensor input (any network but an `nn.Sequential`: of 2 rows)."""
     tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
-    if not tensors or tensors[0].dim() == 0 or tensors[0].shape[0] < 2:
+    sequential = isinstance(network, nn.Sequential)
+    if sequential and (not args or not torch.is_tensor(args[0]) or args[0].dim() == 0):
+        return None
+    if not sequential and (not tensors or tensors[0].dim() == 0 or tensors[0].shape[0] < 2):
         return None
     tp = strategy.dims.tp
     parallel = bool(getattr(strategy, "sequence_parallel", False))
     given = getattr(strategy, "plan", None)
-    plan = resolve_plan(network, given, tensor_parallel_size=tp, sequence_parallel=parallel)[1] if tp > 1 else {}
-    return workload_from_call(network, args, kwargs, styles=plan, traced=strategy.dims.pp > 1)
+    plan: dict[str, str] = {}
+    if tp > 1 and not sequential:
+        plan = resolve_plan(network, given, tensor_parallel_size=tp, sequence_parallel=parallel)[1]
+    return workload_from_network(network, args, kwargs, styles=plan, traced=strategy.dims.pp > 1)
 
 
 def stage_cut(workload: Workload, partition: Partition) -> tuple[tuple[int, ...], ...] | None:

@@ -1,5 +1,6 @@
 """Analyse an ``nn.Sequential`` of named blocks on the meta device: per-block parameters, FLOPs, saved activations,
-outputs and tensor-parallel traffic, each split by what the model's tensor-parallel plan shards.
+outputs and tensor-parallel traffic, each split by what the model's tensor-parallel plan shards (any other network:
+``call_analysis.py``; which of the two a network gets: ``network.py``).
 
 One meta forward + backward per block (FlopCounterMode, forward hooks), and its saved tensors from a forward on fake
 CPU tensors (where attention runs a fused kernel, as on devices); nothing is materialised and nothing is timed
@@ -26,14 +27,14 @@ from lightning_parallel.tensor.styles import STYLE_TRAITS
 _, tree_leaves, _ = dispatch_mode()  # torch's private pytree, through the seam
 
 
-def workload_from_module(
-    model: nn.Module, sample: torch.Tensor, *, plan: Mapping[str, str] | None = None, name: str | None = None
+def sequential_workload(
+    model: nn.Sequential, sample: torch.Tensor, *, plan: Mapping[str, str] | None = None, name: str | None = None
 ) -> Workload:
     """Analyse an ``nn.Sequential`` of named blocks with one forward + backward on the meta device.
 
     Args:
-        model: An ``nn.Sequential`` of named blocks (anything else is refused with a hint); moved to nothing, only
-            its meta-device copy runs (build it on meta to save memory).
+        model: An ``nn.Sequential`` of named blocks; moved to nothing, only its meta-device copy runs (build it on
+            meta to save memory).
         sample: A batch of at least 2 samples (BatchNorm needs 2), any device; only its shape and dtype are used.
         plan: Tensor-parallel plan ``{pattern: style}``; None uses the model's ``tp_plan`` attribute, if any.
         name: Shown in the plan's header; defaults to the class name and parameter count.
@@ -41,11 +42,8 @@ def workload_from_module(
     Returns:
         Per-sample figures (FLOPs, saved activations, outputs, collectives) from the meta run, parameters exact.
     """
-    if not isinstance(model, nn.Sequential) or len(model) < 1:
-        raise ValueError(
-            f"the planner needs an nn.Sequential of named blocks, got {type(model).__name__}. "
-            "HINT: build the model like lightning_parallel.models.GPT (a flat sequence of blocks)"
-        )
+    if len(model) < 1:
+        raise ValueError("the planner got an empty nn.Sequential. HINT: give it the model's blocks")
     if sample.dim() < 1 or sample.shape[0] < 2:
         raise ValueError(f"sample batch has shape {tuple(sample.shape)}; need >= 2 samples. HINT: a batch of 2")
     own = getattr(model, "tp_plan", None) if plan is None else plan

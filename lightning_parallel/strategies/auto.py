@@ -1,23 +1,29 @@
-"""`strategy=auto`: the strategy of the layout planner's best layout among those this package runs.
+"""`strategy=auto`: the strategy of the layout planner's best layout among those this package runs, for any network
+the strategies take (an `nn.Sequential`, a transformers model, a custom `nn.Module`, bare or in its LightningModule).
 
-The model is analysed on the meta device and costed from FLOP counts (never timings), so every launched rank that
-re-creates the strategy makes the same choice. No Hydra and no files outside the package (the hardware presets ship
-with it), so it works from an installed wheel; train.py hands in the model builder and the datamodule.
+The model is analysed on the meta device from one batch's shapes and costed from FLOP counts (never timings), so every
+launched rank that re-creates the strategy makes the same choice. No Hydra and no files outside the package (the
+hardware presets ship with it), so it works from an installed wheel; train.py hands in the model builder and the
+datamodule.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch import nn
+from torch.utils.data import default_collate
 
-from lightning_parallel.planner import Hardware, describe, plan, workload_from_module
+from lightning_parallel.planner import Hardware, Workload, describe, plan, workload_from_network
 from lightning_parallel.planner.presets import hardware_preset
 from lightning_parallel.strategies.layouts import build_strategy, runnable, strategy_choice
+from lightning_parallel.strategies.module_access import find_network
+from lightning_parallel.strategies.user_step import StepRefused, capture_network_inputs
 
 
 class AutoStrategy:
@@ -28,14 +34,18 @@ class AutoStrategy:
     which train.py records in summary.json.
 
     Args:
-        model: The network (an ``nn.Sequential`` of named blocks), or a callable building it; the callable runs under
-            ``torch.device("meta")``, so nothing is allocated.
-        data: The datamodule: ``batch_size`` is the per-replica batch and its first training sample
-            (``splits()[0][0]``) is the input the model is analysed on.
+        model: The network (any the strategies take: an ``nn.Sequential`` of named blocks, a transformers model, a
+            custom ``nn.Module``, called with the batch's inputs), or the LightningModule holding it (its one child
+            module with parameters, called as its ``training_step`` calls it), or a callable building either; the
+            callable runs under ``torch.device("meta")``, so nothing is allocated.
+        data: What gives one training batch, the shapes the model is analysed on: this package's datamodules (their
+            first training sample, twice), any LightningDataModule (``train_dataloader()`` after ``setup("fit")``) or
+            a DataLoader. Its ``batch_size`` is the per-replica batch (without one, the batch's rows).
         devices: ``trainer.devices``.
         accelerator: ``trainer.accelerator`` (picks the device of a single-device strategy).
         precision: ``trainer.precision``.
-        hardware: A preset (``lightning_parallel.planner.presets``: cpu, h100, a100); None picks ``cpu`` with the
+        hardware: A preset (``lightning_parallel.planner.presets``: cpu, h100, a100) or a ``planner.Hardware`` (e.g.
+            ``hardware_preset("a100", memory="40GB")``); None picks ``cpu`` with the
             machine's memory shared by the processes, or ``h100`` sized to the GPU when CUDA is used.
     """
 
@@ -47,7 +57,7 @@ class AutoStrategy:
         devices: Any,
         accelerator: str = "auto",
         precision: Any = "32-true",
-        hardware: str | None = None,
+        hardware: str | Hardware | None = None,
     ) -> Any:
         if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
             raise ValueError(
@@ -57,15 +67,14 @@ class AutoStrategy:
         if not isinstance(model, nn.Module):
             with torch.device("meta"):
                 model = model()
-        sample = data.splits()[0][0][0]
-        workload = workload_from_module(model, sample.unsqueeze(0).expand(2, *sample.shape))
+        workload, replica_batch, traced = _analyse(model, data, devices)
         ranked = plan(
             workload,
             devices=devices,
             hardware=_hardware(hardware, use_cuda, devices),
-            replica_batch=data.batch_size,
+            replica_batch=replica_batch,
             precision=str(precision),
-            allow=lambda layout: runnable(layout, cuda=use_cuda),
+            allow=lambda layout: runnable(layout, cuda=use_cuda, traced=traced),
         )
         chosen = ranked.best
         if chosen is None:
@@ -87,10 +96,65 @@ class AutoStrategy:
         return strategy
 
 
-def _hardware(name: str | None, use_cuda: bool, devices: int) -> Hardware:
+def _hardware(name: str | Hardware | None, use_cuda: bool, devices: int) -> Hardware:
+    if isinstance(name, Hardware):
+        return name
     if name is not None:
         return hardware_preset(name)
     if use_cuda:
         return hardware_preset("h100", memory=torch.cuda.get_device_properties(0).total_memory)
     pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
     return hardware_preset("cpu", memory=pages * size // devices)  # processes on one machine share its memory
+
+
+def _analyse(model: nn.Module, data: Any, devices: int) -> tuple[Workload, int, bool]:
+    """The planner's figures for the network from one batch of ``data``, the batch per replica, and whether the
+    pipeline would split the network by tracing (any network but an ``nn.Sequential``)."""
+    batch = _first_batch(data)
+    if isinstance(model, pl.LightningModule):
+        network = find_network(model, None, required=nn.Module, need="strategy=auto plans the network", owner=None)
+        try:
+            args, kwargs = capture_network_inputs(lambda: model.training_step(batch, 0), network, model)
+        except StepRefused as error:
+            raise ValueError(
+                f"strategy=auto: {type(model).__name__}.training_step never called its network "
+                f"({type(network).__name__}), so there is nothing to analyse it on. HINT: compute the loss from "
+                "self(x) or self.<network>(x)"
+            ) from error
+    else:
+        network = model
+        args, kwargs = _inputs(batch)
+    smallest = next((tp for tp in range(2, devices + 1) if devices % tp == 0), 2)
+    workload = workload_from_network(network, tuple(args), kwargs, tensor_parallel_size=smallest)
+    size = getattr(data, "batch_size", None)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        first = next(t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim())
+        size = int(first.shape[0])
+    return workload, size, not isinstance(network, nn.Sequential)
+
+
+def _first_batch(data: Any) -> Any:
+    """One training batch: of this package's datamodules their first training sample twice (``splits()``), of a
+    LightningDataModule its loader's first, of a DataLoader (any iterable) its first."""
+    if callable(getattr(data, "splits", None)):
+        sample = data.splits()[0][0]
+        return default_collate([sample, sample])
+    if callable(getattr(data, "train_dataloader", None)):
+        if callable(getattr(data, "setup", None)):
+            data.setup("fit")
+        return next(iter(data.train_dataloader()))
+    if isinstance(data, Iterable):
+        return next(iter(data))
+    raise ValueError(
+        f"strategy=auto analyses the model on one training batch, but data is a {type(data).__name__}. "
+        "HINT: pass a LightningDataModule or a DataLoader"
+    )
+
+
+def _inputs(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A bare network's inputs from a batch: ``(x, y)`` -> ``x``, a dict (a tokenizer's) -> its keys by keyword."""
+    if isinstance(batch, Mapping):
+        return (), dict(batch)
+    if isinstance(batch, (list, tuple)):
+        return (batch[0],), {}
+    return (batch,), {}

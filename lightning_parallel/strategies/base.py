@@ -31,7 +31,7 @@ from lightning_parallel.seams import changed, fused_steps_on_dtensor
 from lightning_parallel.strategies.arguments import check_choice, reject
 from lightning_parallel.strategies.mesh_precision import mesh_precision
 from lightning_parallel.strategies.mesh_processes import DEFAULT_TIMEOUT
-from lightning_parallel.strategies.module_access import ModuleAccess
+from lightning_parallel.strategies.module_access import ModuleAccess, find_network
 from lightning_parallel.strategies.process_group import replica_calls
 from lightning_parallel.strategies.sharded_checkpoints import OPTIMIZER_OPTIONS, ShardedCheckpoints
 from lightning_parallel.token_mean import step_over_replicas
@@ -206,25 +206,7 @@ class MeshStrategy(ModuleAccess, ShardedCheckpoints):
         """The network: `module.<network_attr>`, or with no attribute named, the one child module holding
         parameters (`self.model`, `self.net`, ...). Otherwise one clear error naming what this strategy needs."""
         attr: str | None = self.network_attr  # type: ignore[attr-defined]
-        where = type(module).__name__
-        if attr is None:
-            candidates = [name for name, child in module.named_children() if any(True for _ in child.parameters())]
-            if len(candidates) != 1:
-                found = f"candidates {candidates}" if candidates else "no child module with parameters"
-                raise ValueError(
-                    f"cannot tell which attribute of {where} is the network ({found}). HINT: keep the network in "
-                    f"one attribute (self.model = MyNetwork()), or pass network_attr='<attribute>' to "
-                    f"{type(self).__name__}"
-                )
-            attr = candidates[0]
-        network = getattr(module, attr, None)
-        if not isinstance(network, required):
-            found = type(network).__name__ if network is not None else "nothing"
-            raise ValueError(
-                f"{need} at `{where}.{attr}`; found {found}. HINT: store it there, or pass "
-                f"network_attr='<attribute>' to {type(self).__name__}"
-            )
-        return network
+        return find_network(module, attr, required=required, need=need, owner=type(self).__name__)
 
     def refuse_meta_outside(self, module: pl.LightningModule, network: nn.Module) -> None:
         """The strategy materialises only the network; anything else built under trainer.init_module() (a

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_parallel.pipeline.schedules import SCHEDULE_TRAITS
+from lightning_parallel.seams import NEEDS_TORCH, torch_at_least
 from lightning_parallel.strategies.base import DEFAULT_TIMEOUT
 
 if TYPE_CHECKING:
@@ -155,8 +156,14 @@ def train_overrides(layout: Layout, *, cuda: bool = True, activation_checkpointi
     return [f"strategy={name}", *devices, *(f"strategy.{key}={value}" for key, value in keys.items())]
 
 
-def runnable(layout: Layout, *, cuda: bool = True) -> bool:
-    """Whether a strategy of this package (or Lightning's single-device / FSDP one) runs ``layout``."""
+def runnable(layout: Layout, *, cuda: bool = True, traced: bool = False) -> bool:
+    """Whether a strategy of this package (or Lightning's single-device / FSDP one) runs ``layout``; ``traced``: for
+    a network the pipeline splits by tracing (any but an ``nn.Sequential``), whose stages take tensor parallelism
+    only with plain replicas and on a torch that passed it (``parallelize.plan.refuse_traced_sharding``)."""
+    if traced and layout.pp > 1 and layout.tp > 1:
+        newest = torch_at_least(NEEDS_TORCH["tensor parallelism inside traced pipeline stages"][0])
+        if not newest or (layout.dp_shard and layout.dp > 1):
+            return False
     return strategy_choice(layout, cuda=cuda) is not None
 
 
