@@ -230,11 +230,13 @@ def markdown(summary: dict[str, Any], config: dict[str, Any], args: argparse.Nam
 
 
 def measure(
-    args: argparse.Namespace, after_each: Callable[[dict[str, dict], list[dict]], None] = lambda *_: None
+    args: argparse.Namespace,
+    after_each: Callable[[dict[str, dict], list[dict]], None] = lambda *_: None,
+    facts: dict[str, dict] | None = None,
 ) -> tuple[dict[str, dict], list[dict]]:
-    """FLOPs once per workload, then every run of every workload, repeats interleaved; `after_each(facts, entries)`
-    after each run (gpu_check.py saves there, so a check cut off keeps the runs that finished)."""
-    facts = {w: launch("flops", w, args) for w in args.workloads}
+    """FLOPs once per workload (unless given), then every run of every workload, repeats interleaved;
+    `after_each(facts, entries)` after each run (gpu_check.py saves there: a check cut off keeps its finished runs)."""
+    facts = facts or {w: launch("flops", w, args) for w in args.workloads}
     entries: list[dict] = []
     for rep in range(args.repeats):
         for w in args.workloads:
