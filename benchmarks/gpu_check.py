@@ -1,7 +1,8 @@
 """`make gpu-check`: the GPU proof in one command. In order: `pytest -m gpu`; every strategy on one device with the CUDA
 defaults (bf16-mixed, torch's default AdamW) against Lightning's `strategy="auto"`; tensor tp2, pipeline pp2 and
-pp2 x tp2 as 2 or 4 ranks sharing the one device (gloo_host), each against one process; gpu_throughput.py's rows
-(eager and compiled, MFU, degree-1 ratios); the planner's preset against them. Writes results/gpu_check.{json,md}.
+pp2 x tp2 as 2 or 4 ranks sharing the one device (gloo_host), each against one process; `mfu`: GPT-2 small's MFU
+through the tensor strategy against plain Lightning, both compiled with fused AdamW; gpu_throughput.py's rows (eager and
+compiled, MFU, degree-1 ratios); the planner's preset against them. Writes results/gpu_check.{json,md} after each run.
 
 Without CUDA it rehearses the same sequence on CPU at toy sizes (`device: cpu`). Each run is its own process and a
 failed run is a row saying why, never the end of the check. Usage: python benchmarks/gpu_check.py [--parts ...]
@@ -12,30 +13,34 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import statistics
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import lightning
 import torch
 from gpu_check_pytest import pytest_part
-from gpu_check_report import markdown, summary_lines
+from gpu_check_report import markdown, rank_row, status, summary_lines
 from gpu_throughput import measure, summarise
 from harness import RESULTS, error_line, machine, write_results
-from shared_device import LAYOUTS, TOLERANCE, parity, run_layout
+from shared_device import LAYOUTS, run_layout
 from throughput_runs import RUNS, WORKLOADS
 
 from lightning_parallel.planner import CostModel, Layout, workload_from_module
 from lightning_parallel.planner.presets import hardware_preset
 
-PARTS = ("pytest", "one_device", "multi_rank", "throughput", "planner")
+PARTS = ("pytest", "one_device", "multi_rank", "mfu", "throughput", "planner")
 # Every strategy at degree 1 on one device, against Lightning's auto (rows of throughput_runs.RUNS).
 ONE_DEVICE = ["auto", "ddp", "tensor", "pipeline", "three_d", "local_sgd", "diloco", "async_sgd"]
+# The MFU of this library's strategy against plain Lightning, both compiled with fused AdamW (and the references).
+MFU_RUNS = ["auto", "auto_compiled_fused", "tensor_compiled_fused", "raw_compiled"]
+MFU_RUN_TIMEOUT = 150  # s per CUDA run (H100: ~25 s, a compiled first step 2-10.5 s): a hung compile leaves the rest
 IMAGE_RUNS = ["raw", "raw_compiled", "auto", "tensor"]  # the ResNet's throughput rows (the GPT gets every row)
+Keep = Callable[[dict[str, Any], list[dict[str, Any]]], None]  # gpu_throughput.measure's after_each: save so far
 NCCL = (
     "NCCL itself stays untested: one GPU is the most a machine here has and NCCL refuses two ranks on one device, "
     "so the multi-rank rows share the device over gloo_host (gloo, every tensor staged through host memory: the CUDA "
@@ -70,30 +75,42 @@ def nccl_version() -> str | None:
     return ".".join(map(str, found)) if isinstance(found, tuple) else str(found)
 
 
-def status(error: str | None) -> str:
-    """Status "ok", "refused: needs torch >= X" (seams.NEEDS_TORCH on an older torch) or "failed: <the one line>"."""
-    if error is None:
-        return "ok"
-    needs = re.search(r"needs torch >= (\d+\.\d+)", error)
-    return f"refused: needs torch >= {needs.group(1)}" if needs else f"failed: {error}"
-
-
 # ---- parts -----------------------------------------------------------------------------------------------------
 def throughput_args(
-    device: str, sizes: Sizes, workload: str, runs: list[str], timeout: float = 0
+    device: str, sizes: Sizes, workload: str, runs: list[str], timeout: float = 0, compiled_on_cpu: bool = False
 ) -> argparse.Namespace:
-    """What gpu_throughput.py's measure and summarise read: one workload, the runs that apply on this device."""
+    """What gpu_throughput.py's measure and summarise read: one workload, the runs that apply on this device (the
+    compiled ones on CPU too when `compiled_on_cpu`)."""
     precision = "bf16-mixed" if device == "cuda" else "32-true"
-    applies = [name for name in runs if device == "cuda" or not RUNS[name].cuda_only]
+    applies = [name for name in runs if device == "cuda" or compiled_on_cpu or not RUNS[name].cuda_only]
     return argparse.Namespace(device=device, size=sizes.size, precision=precision, workloads=[workload], runs=applies,
                               steps=sizes.steps, warmup=sizes.warmup, repeats=1, timeout=timeout)  # fmt: skip
 
 
-def one_device_part(device: str, sizes: Sizes, timeout: float) -> dict[str, Any]:
+def one_device_part(device: str, sizes: Sizes, timeout: float, keep: Keep) -> dict[str, Any]:
     """Every strategy at degree 1 on the GPT, each run its own process: gpu_throughput.py's entries."""
-    args = throughput_args(device, sizes, sizes.workloads[0], ONE_DEVICE, timeout)
-    facts, entries = measure(args)
+    facts, entries = measure(throughput_args(device, sizes, sizes.workloads[0], ONE_DEVICE, timeout), keep)
     return {"facts": facts, "entries": entries}
+
+
+def mfu_part(device: str, sizes: Sizes, timeout: float, keep: Keep) -> dict[str, Any]:
+    """MFU_RUNS on the GPT (on CPU too: a rehearsal compiles the toy GPT), each run its own process."""
+    limit = min(timeout, MFU_RUN_TIMEOUT) if device == "cuda" else timeout  # CPU: inductor's C++ build takes minutes
+    args = throughput_args(device, sizes, sizes.workloads[0], MFU_RUNS, limit, True)
+    facts, entries = measure(args, keep)
+    return {"facts": facts, "entries": entries}
+
+
+def mfu_summary(mfu: dict[str, Any], device: str, sizes: Sizes) -> dict[str, Any]:
+    """gpu_throughput.py's rows of the mfu part, each with its speed against plain Lightning compiled the same way
+    (auto_compiled_fused's step / its step: its MFU over auto_compiled_fused's, the FLOPs being the same)."""
+    workload = sizes.workloads[0]
+    summary = summarise(mfu["entries"], mfu["facts"], throughput_args(device, sizes, workload, MFU_RUNS, 0, True))
+    rows = summary[workload]["rows"]
+    plain = rows.get("auto_compiled_fused", {}).get("step_ms")
+    for r in rows.values():
+        r["vs_auto_compiled_fused"] = plain["median"] / r["step_ms"]["median"] if plain and "step_ms" in r else None
+    return summary
 
 
 def one_device_rows(one_device: dict[str, Any], device: str, sizes: Sizes) -> list[dict[str, Any]]:
@@ -102,7 +119,7 @@ def one_device_rows(one_device: dict[str, Any], device: str, sizes: Sizes) -> li
     args = throughput_args(device, sizes, workload, ONE_DEVICE)
     rows = summarise(one_device["entries"], one_device["facts"], args)[workload]["rows"]
     name = one_device["facts"][workload].get("device_name", device)
-    auto = rows["auto"].get("loss")
+    auto = rows.get("auto", {}).get("loss")
     return [
         {
             "part": "one_device",
@@ -137,46 +154,24 @@ def multi_rank_part(device: str, sizes: Sizes, timeout: float) -> list[dict[str,
     return rows
 
 
-def rank_row(
-    layout: str, processes: int, device: str, ranks: list[dict[str, Any]] | str, reference: dict[str, Any] | None
-) -> dict[str, Any]:
-    """A runs-table row of a layout (or of the one-process reference): status, rank 0's losses, the slowest rank's
-    median step after the first, the largest peak memory, and the parity to the reference."""
-    shared = f"{'cuda:0' if device == 'cuda' else 'cpu'} x{processes}" + (" (gloo_host)" if processes > 1 else "")
-    row: dict[str, Any] = {"part": "multi_rank", "strategy": layout, "devices": processes, "device": shared}
-    error = ranks if isinstance(ranks, str) else next((r["error"] for r in ranks if "error" in r), None)
-    row |= {"ok": error is None, "status": status(error)}
-    if error is not None:
-        return row
-    assert not isinstance(ranks, str)
-    steps = [max(times) for times in zip(*(r["step_s"] for r in ranks), strict=True)][1:]  # slowest rank, after one
-    row |= {
-        "losses": ranks[0]["losses"],
-        "step_ms": statistics.median(steps) * 1e3 if steps else None,
-        "peak_memory_mib": max(r["peak_memory_mib"] for r in ranks),
-    }
-    if reference is not None and processes > 1:
-        found = parity(ranks, reference)
-        tolerance = TOLERANCE
-        within = max(found["max_loss_diff"], found["max_param_diff"]) <= tolerance and not found["missing_parameters"]
-        row["parity"] = {**found, "tolerance": tolerance, "within": within}
-    return row
-
-
-def throughput_part(device: str, sizes: Sizes, one_device: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
-    """gpu_throughput.py's rows for both workloads; the GPT's strategy rows are the one-device part's when it ran."""
-    gpt, image = sizes.workloads
+def throughput_part(report: dict[str, Any], sizes: Sizes, timeout: float, checkpoint: Callable[[], None]) -> None:
+    """gpu_throughput.py's rows for both workloads into report["throughput"], written after each run; the GPT's runs
+    this invocation's one_device and mfu parts measured (report["fresh"]) are theirs."""
+    device, (gpt, image) = report["config"]["device"], sizes.workloads
     every = [name for name in RUNS if device == "cuda" or not RUNS[name].cuda_only]
-    out = {}
+    fresh = report.get("fresh", [])
+    reused = {e["run"]: e for part in reversed(fresh) for e in part["entries"]}  # auto: the one_device part's
+    report["throughput"] = {}
     for workload, runs in ((gpt, every), (image, IMAGE_RUNS)):
-        reuse = one_device if workload == gpt and one_device else None
-        args = throughput_args(device, sizes, workload, [r for r in runs if not reuse or r not in ONE_DEVICE], timeout)
-        facts, entries = measure(args)
-        if reuse:
-            facts, entries = reuse["facts"], [*reuse["entries"], *entries]
-        args.runs = [name for name in RUNS if name in runs and (device == "cuda" or not RUNS[name].cuda_only)]
-        out |= summarise(entries, facts, args)
-    return out
+        kept = [e for name, e in reused.items() if name in runs] if workload == gpt else []
+        todo = throughput_args(device, sizes, workload, [r for r in runs if r not in reused or not kept], timeout)
+        shown = throughput_args(device, sizes, workload, runs)  # every row, in the table's order
+
+        def rows(facts: dict[str, Any], entries: list[dict[str, Any]], kept: list = kept, shown: Any = shown) -> None:
+            report["throughput"] |= summarise([*kept, *entries], facts, shown)
+            checkpoint()
+
+        rows(*measure(todo, rows, fresh[0]["facts"] if kept else None))
 
 
 def planner_part(throughput: dict[str, Any], device: str, sizes: Sizes) -> list[dict[str, Any]]:
@@ -202,7 +197,7 @@ def planner_part(throughput: dict[str, Any], device: str, sizes: Sizes) -> list[
             "breakdown_s": estimate.time,
             "predicted_memory_mib": estimate.memory["total"] / 2**20,
             "measured_s": {run: measured.get(run) for run in ("auto", "raw", "raw_compiled")},
-            "measured_peak_memory_mib": part["rows"]["auto"].get("peak_memory_mib"),
+            "measured_peak_memory_mib": part["rows"].get("auto", {}).get("peak_memory_mib"),
         }
         auto = measured.get("auto")
         if auto:
@@ -231,31 +226,48 @@ def earlier(results: Path, device: str) -> dict[str, Any]:
     return report if report.get("config", {}).get("device") == device else {}
 
 
-def run_part(part: str, report: dict[str, Any], sizes: Sizes, timeout: float) -> None:
-    """One part, its result in `report` under its name. The throughput part reuses this invocation's one-device runs;
-    the planner reads the throughput rows, of this invocation or an earlier one on the same device."""
+def run_part(part: str, report: dict[str, Any], sizes: Sizes, timeout: float, checkpoint: Callable[[], None]) -> None:
+    """One part, its result in `report` under its name, written by `checkpoint` after each run of the timed parts.
+    The throughput part reuses this invocation's one-device and mfu runs (report["fresh"], not saved); the planner
+    reads the throughput rows, of this invocation or an earlier one on the same device."""
     device = report["config"]["device"]
+
+    def keep(facts: dict[str, Any], entries: list[dict[str, Any]]) -> None:  # measure()'s after_each
+        report[part] = {"facts": facts, "entries": entries}
+        checkpoint()
+
     if part == "pytest":
         report["pytest"] = pytest_part(timeout)
-    elif part == "one_device":
-        report["one_device"] = one_device_part(device, sizes, timeout)
-        report["fresh_one_device"] = report["one_device"]  # not saved: the throughput part of this invocation reuses it
+    elif part in ("one_device", "mfu"):
+        report[part] = (one_device_part if part == "one_device" else mfu_part)(device, sizes, timeout, keep)
+        report.setdefault("fresh", []).append(report[part])
     elif part == "multi_rank":
         report["multi_rank"] = multi_rank_part(device, sizes, timeout)
     elif part == "throughput":
-        report["throughput"] = throughput_part(device, sizes, report.get("fresh_one_device"), timeout)
+        throughput_part(report, sizes, timeout, checkpoint)
     else:
         report["planner"] = planner_part(report["throughput"], device, sizes) if "throughput" in report else []
 
 
 def save(report: dict[str, Any], sizes: Sizes, results: Path, started: float) -> None:
-    """Write results/gpu_check.{json,md} as they stand: after every part, so a check stopped midway keeps what ran."""
+    """Write results/gpu_check.{json,md} as they stand (after every part and timed run: a check stopped keeps those)."""
     device = report["config"]["device"]
     one = one_device_rows(report["one_device"], device, sizes) if "one_device" in report else []
     report["runs"] = [*one, *report.get("multi_rank", [])]
+    if "mfu" in report:
+        report["mfu"]["summary"] = mfu_summary(report["mfu"], device, sizes)
     report["config"]["wall_s"] = time.perf_counter() - started
-    saved = {key: value for key, value in report.items() if key != "fresh_one_device"}
+    saved = {key: value for key, value in report.items() if key != "fresh"}
     write_results("gpu_check", saved, markdown(saved), results=results, show=False)
+
+
+def unfinished(report: dict[str, Any], part: str, began: float, write: Callable[[], None]) -> None:
+    """Mid-part: the part marked cut off until it ends (if the check is killed, the mark stays), the results written."""
+    line = "cut off: it had not finished when the results were last written (the runs it finished are kept)"
+    report["parts"][part] = {"date": time.strftime("%Y-%m-%d %H:%M"), "wall_s": time.perf_counter() - began} | {
+        "error": line
+    }
+    write()
 
 
 def main() -> None:
@@ -265,25 +277,32 @@ def main() -> None:
         print(f"CUDA device {torch.cuda.get_device_name()}: the GPU check ({', '.join(args.parts)})", flush=True)
     else:
         print("No CUDA device here: rehearsing the GPU check on CPU at toy sizes (results say device: cpu)", flush=True)
-    sizes, started = SIZES[device], time.perf_counter()
+    sizes = SIZES[device]
     report = earlier(args.results, device)
     report["config"] = {"device": device, "machine": machine(), "torch": torch.__version__, "cuda": torch.version.cuda,
                         "lightning": lightning.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
                         "sizes": sizes.__dict__, "nccl": NCCL, "nccl_version": nccl_version()}  # fmt: skip
+    check(report, args.parts, sizes, args.timeout, args.results)
+    print("\n".join(summary_lines(report)))
+
+
+def check(report: dict[str, Any], parts: list[str], sizes: Sizes, timeout: float, results: Path) -> None:
+    """The parts asked for, in order, into `report`; the results written after each timed run and each part."""
+    started = time.perf_counter()
     report.setdefault("parts", {})
-    for part in (p for p in PARTS if p in args.parts):
+    for part in (p for p in PARTS if p in parts):
         began = time.perf_counter()
         print(f"== {part}", flush=True)
+        checkpoint = partial(unfinished, report, part, began, partial(save, report, sizes, results, started))
         try:
-            run_part(part, report, sizes, args.timeout)
+            run_part(part, report, sizes, timeout, checkpoint)
             outcome = {}
         except Exception as error:  # a part that broke is a line of the report; the next part still runs
             traceback.print_exc()
             outcome = {"error": error_line(error)}
         report["parts"][part] = {"date": time.strftime("%Y-%m-%d %H:%M"), "wall_s": time.perf_counter() - began}
         report["parts"][part] |= outcome
-        save(report, sizes, args.results, started)
-    print("\n".join(summary_lines(report)))
+        save(report, sizes, results, started)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,13 @@ against them) and the one-screen summary on stdout. Reads the report dict `gpu_c
 from __future__ import annotations
 
 import argparse
+import re
+import statistics
 from typing import Any
 
 from gpu_throughput import table, verdicts
-from shared_device import PARITY_GPT
+from shared_device import PARITY_GPT, TOLERANCE, parity
+from throughput_runs import RUNS
 
 MiB = 2**20
 
@@ -22,6 +25,40 @@ def device_name(report: dict[str, Any]) -> str:
 
 def number(value: float | None, fmt: str = ".1f") -> str:
     return "-" if value is None else f"{value:{fmt}}"
+
+
+def status(error: str | None) -> str:
+    """Status "ok", "refused: needs torch >= X" (seams.NEEDS_TORCH on an older torch) or "failed: <the one line>"."""
+    if error is None:
+        return "ok"
+    needs = re.search(r"needs torch >= (\d+\.\d+)", error)
+    return f"refused: needs torch >= {needs.group(1)}" if needs else f"failed: {error}"
+
+
+def rank_row(
+    layout: str, processes: int, device: str, ranks: list[dict[str, Any]] | str, reference: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A runs-table row of a layout (or of the one-process reference): status, rank 0's losses, the slowest rank's
+    median step after the first, the largest peak memory, and the parity to the reference."""
+    shared = f"{'cuda:0' if device == 'cuda' else 'cpu'} x{processes}" + (" (gloo_host)" if processes > 1 else "")
+    row: dict[str, Any] = {"part": "multi_rank", "strategy": layout, "devices": processes, "device": shared}
+    error = ranks if isinstance(ranks, str) else next((r["error"] for r in ranks if "error" in r), None)
+    row |= {"ok": error is None, "status": status(error)}
+    if error is not None:
+        return row
+    assert not isinstance(ranks, str)
+    steps = [max(times) for times in zip(*(r["step_s"] for r in ranks), strict=True)][1:]  # slowest rank, after one
+    row |= {
+        "losses": ranks[0]["losses"],
+        "step_ms": statistics.median(steps) * 1e3 if steps else None,
+        "peak_memory_mib": max(r["peak_memory_mib"] for r in ranks),
+    }
+    if reference is not None and processes > 1:
+        found = parity(ranks, reference)
+        tolerance = TOLERANCE
+        within = max(found["max_loss_diff"], found["max_param_diff"]) <= tolerance and not found["missing_parameters"]
+        row["parity"] = {**found, "tolerance": tolerance, "within": within}
+    return row
 
 
 def pytest_lines(result: dict[str, Any] | None) -> list[str]:
@@ -96,6 +133,59 @@ def throughput_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def mfu_headline(report: dict[str, Any]) -> str | None:
+    """The mfu part in one line: each run's MFU (its step on CPU: no peak there) and the strategy's MFU over plain
+    Lightning's, both compiled with fused AdamW (auto_compiled_fused's step / tensor_compiled_fused's)."""
+    summary = (report.get("mfu") or {}).get("summary")
+    if not summary:
+        return None
+    [(workload, part)] = summary.items()
+    cells = [
+        f"{run} failed"
+        if "step_ms" not in r
+        else f"{run} " + (f"{r['mfu']:.1%} MFU" if r["mfu"] is not None else f"{r['step_ms']['median']:.1f} ms")
+        for run, r in part["rows"].items()
+    ]
+    ratio = part["rows"].get("tensor_compiled_fused", {}).get("vs_auto_compiled_fused")
+    shown = "not measured" if ratio is None else f"{ratio:.3f}"
+    device = part["facts"].get("device_name", report["config"]["device"])
+    return f"mfu {workload} ({device}): " + " | ".join(cells) + f" | strategy / plain Lightning (MFU): {shown}"
+
+
+def mfu_lines(report: dict[str, Any]) -> list[str]:
+    headline = mfu_headline(report)
+    if headline is None:
+        return ["Not run yet on this device."]
+    [(workload, part)] = report["mfu"]["summary"].items()
+    sizes = report["config"]["sizes"]
+    lines = [
+        f"`python benchmarks/gpu_check.py --parts mfu`: `{workload}` (benchmarks/throughput_runs.py), "
+        f"{'bf16-mixed' if report['config']['device'] == 'cuda' else '32-true'}, each run its own process, "
+        f"{sizes['steps']} measured steps after {sizes['warmup']}. MFU: counted FLOPs per step / median step / the "
+        "GPU's dense bf16 peak. **graphs**: what torch.compile built in the run's process (0: eager); **AdamW**: the "
+        "kernel its optimizer was built with (default: foreach on CUDA tensors, a for-loop on CPU); **vs plain "
+        "compiled**: auto_compiled_fused's step / the run's (its MFU over auto_compiled_fused's).",
+        "",
+        f"- {headline}",
+        "",
+        "| run | what it runs | graphs | AdamW | step ms (p10-p90) | TFLOP/s | MFU | vs plain compiled | peak memory "
+        "MiB | losses: first .. last (steps) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run, r in part["rows"].items():
+        if "step_ms" not in r:
+            lines.append(f"| `{run}` | {RUNS[run].description} | failed: {r['errors'][0]} |" + " |" * 7)
+            continue
+        s, losses = r["step_ms"], r["loss"]
+        lines.append(
+            f"| `{run}` | {RUNS[run].description} | {r.get('compiled_graphs', '-')} | {r.get('adamw', '-')} | "
+            f"{s['median']:.1f} ({s['p10']:.1f}-{s['p90']:.1f}) | {number(r['tflops'], '.3g')} | "
+            f"{number(r['mfu'], '.1%')} | {number(r['vs_auto_compiled_fused'], '.3f')} | "
+            f"{r['peak_memory_mib']:,.0f} | {losses[0]:.4f} .. {losses[-1]:.4f} ({len(losses)}) |"
+        )
+    return lines
+
+
 def planner_lines(rows: list[dict[str, Any]] | None) -> list[str]:
     if not rows:
         return ["Not run yet on this device (it needs the throughput rows)."]
@@ -151,7 +241,9 @@ def markdown(report: dict[str, Any]) -> str:
         "## Runs",
         "",
     ]
-    lines += [*runs_lines(report), "", "## Throughput (gpu_throughput.py's rows)", "", *throughput_lines(report)]
+    lines += [*runs_lines(report), "", "## MFU: the tensor strategy against plain Lightning, both compiled with "
+              "fused AdamW", "", *mfu_lines(report)]  # fmt: skip
+    lines += ["", "## Throughput (gpu_throughput.py's rows)", "", *throughput_lines(report)]
     lines += ["", "## Planner against the measured steps", "", *planner_lines(report.get("planner"))]
     return "\n".join(lines) + "\n"
 
@@ -187,6 +279,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             cells.append(f"{r['strategy']} {detail if r['ok'] else r['status'][:60]}")
         lines.append(f"{title}: " + " | ".join(cells))
     lines.append("NCCL untested: one GPU here, and NCCL refuses two ranks on one device.")
+    lines += [line for line in [mfu_headline(report)] if line]
     for workload, part in (report.get("throughput") or {}).items():
         shown = [
             f"{run} {r['step_ms']['median']:.1f} ms" + (f" {r['mfu']:.0%} MFU" if r.get("mfu") else "")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -101,6 +102,7 @@ def row(runs: list[dict[str, Any]], facts: dict[str, Any], units: int, args: arg
     out["mfu"] = flops / step_s / facts["peak_flops"] if flops and facts.get("peak_flops") and bf16 else None
     out["peak_memory_mib"] = statistics.median(r["peak_memory_mib"] for r in ok)
     out["loss"] = ok[0]["loss"]
+    out |= {key: ok[0].get(key) for key in ("compiled_graphs", "adamw")}  # what torch saw the run do
     return out
 
 
@@ -108,7 +110,7 @@ def against(rows: dict[str, dict[str, Any]], device: str) -> None:
     """Each row's ratios to auto (wall, CPU; CPU per repeat; CPU over quiet runs), its loss gap to raw, and the 3%
     verdict: on CPU by CPU time (quiet runs where both have some: others' load slows our work too), on CUDA by wall
     time (the GPU's step)."""
-    auto, raw = rows["auto"], rows.get("raw", {})
+    auto, raw = rows.get("auto", {}), rows.get("raw", {})  # a check cut off may not have run auto yet
     for name, r in rows.items():
         if "step_ms" not in r or "step_ms" not in auto:
             continue
@@ -130,7 +132,8 @@ def summarise(entries: list[dict], facts: dict[str, dict], args: argparse.Namesp
         rows = {}
         for name in args.runs:
             runs = [e for e in entries if e["workload"] == w and e["run"] == name]
-            rows[name] = row(runs, facts[w], workload.units_per_step, args)
+            if runs:  # none yet in a check's part saved midway
+                rows[name] = row(runs, facts[w], workload.units_per_step, args)
         against(rows, args.device)
         out[w] = {"workload": {**asdict(workload), "unit": workload.unit}, "facts": facts[w], "rows": rows}
     return out
@@ -226,10 +229,15 @@ def markdown(summary: dict[str, Any], config: dict[str, Any], args: argparse.Nam
     return "\n".join(lines)
 
 
-def measure(args: argparse.Namespace) -> tuple[dict[str, dict], list[dict]]:
-    """FLOPs once per workload, then every run of every workload, repeats interleaved."""
-    facts = {w: launch("flops", w, args) for w in args.workloads}
-    entries = []
+def measure(
+    args: argparse.Namespace,
+    after_each: Callable[[dict[str, dict], list[dict]], None] = lambda *_: None,
+    facts: dict[str, dict] | None = None,
+) -> tuple[dict[str, dict], list[dict]]:
+    """FLOPs once per workload (unless given), then every run of every workload, repeats interleaved;
+    `after_each(facts, entries)` after each run (gpu_check.py saves there: a check cut off keeps its finished runs)."""
+    facts = facts or {w: launch("flops", w, args) for w in args.workloads}
+    entries: list[dict] = []
     for rep in range(args.repeats):
         for w in args.workloads:
             for name in order(rep, args.runs):
@@ -237,6 +245,7 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, dict], list[dict]]:
                 e = entries[-1]
                 done = e.get("error") or f"CPU {statistics.median(e['cpu_s'][args.warmup :]) * 1e3:.1f} ms/step"
                 print(f"repeat {rep + 1}/{args.repeats} {w} {name}: {done}", flush=True)
+                after_each(facts, entries)
     return facts, entries
 
 

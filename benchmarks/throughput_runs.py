@@ -1,5 +1,6 @@
 """What gpu_throughput.py runs, one case per process: the workloads (GPT, ResNet-50 at each size), the table of runs
-(raw torch loop, Lightning auto, each strategy at degree 1), and the timed training of one (workload, run).
+(raw torch loop, Lightning auto, each strategy at degree 1; compiled, checkpointed, fused-AdamW variants), and the
+timed training of one (workload, run).
 
 It times only; summaries, ratios and the report are gpu_throughput.py's.
 """
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from harness import quiet
 from ranks import bare_trainer, batch_loader
 from torch import nn
+from torch._dynamo.utils import counters
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -89,7 +91,9 @@ WORKLOADS = {
 # ---- runs: one row of the report each ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Run:
-    """`strategy` None is the raw torch loop; otherwise it builds what Trainer(strategy=...) gets, devices=1."""
+    """`strategy` None is the raw torch loop (compiled: over torch.compile(network)); otherwise it builds what
+    Trainer(strategy=...) gets, devices=1, given torch.compile(network) when `network_compiled`. `fused`:
+    AdamW(fused=True), else torch's default kernel. `cuda_only` rows run on CPU only when asked (their compile)."""
 
     description: str
     strategy: Callable[[], Any] | None = None
@@ -97,22 +101,35 @@ class Run:
     checkpointing: bool = False
     cuda_only: bool = False
     degree_one: bool = True  # judged against the 3% target (False for raw loops and auto itself)
+    network_compiled: bool = False
+    fused: bool = False
+
+    def optimizer(self, parameters: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(parameters, lr=LR, fused=True) if self.fused else torch.optim.AdamW(parameters, lr=LR)
+
+
+def compiled(description: str, strategy: Callable[[], Any] | None, **options: Any) -> Run:
+    """A compiled row: on CPU only when asked, not judged against the 3% target (compiling changes the work)."""
+    return Run(description, strategy, compiled=True, cuda_only=True, degree_one=False, **options)
+
+
+def tensor(**options: Any) -> Callable[[], lp.TensorParallelStrategy]:
+    return lambda: lp.TensorParallelStrategy(tensor_parallel_size=1, **options)
+
+
+def pipeline(**options: Any) -> Callable[[], lp.PipelineParallelStrategy]:
+    return lambda: lp.PipelineParallelStrategy(pipeline_parallel_size=1, **options)
 
 
 RUNS: dict[str, Run] = {
     "raw": Run("torch loop: forward, cross-entropy, backward, AdamW step, zero_grad", degree_one=False),
-    "raw_compiled": Run("the torch loop over torch.compile(model)", compiled=True, cuda_only=True, degree_one=False),
+    "raw_compiled": compiled("the torch loop over torch.compile(model)", None),
     "auto": Run("Lightning Trainer(strategy='auto')", lambda: "auto", degree_one=False),
-    "tensor": Run(
-        "TensorParallelStrategy(tensor_parallel_size=1)", lambda: lp.TensorParallelStrategy(tensor_parallel_size=1)
-    ),
-    "pipeline": Run(
-        "PipelineParallelStrategy(pipeline_parallel_size=1)",
-        lambda: lp.PipelineParallelStrategy(pipeline_parallel_size=1),
-    ),
+    "tensor": Run("TensorParallelStrategy(tensor_parallel_size=1)", tensor()),
+    "pipeline": Run("PipelineParallelStrategy(pipeline_parallel_size=1)", pipeline()),
     "three_d": Run(
         "PipelineParallelStrategy(pipeline_parallel_size=1, tensor_parallel_size=1, data_parallel_size=1): 3D at 1",
-        lambda: lp.PipelineParallelStrategy(pipeline_parallel_size=1, tensor_parallel_size=1, data_parallel_size=1),
+        pipeline(tensor_parallel_size=1, data_parallel_size=1),
     ),
     "local_sgd": Run("LocalSGDStrategy(period=4)", lambda: lp.LocalSGDStrategy(period=4)),
     "diloco": Run("DiLoCoStrategy(period=10), as conf/strategy/diloco.yaml", lambda: lp.DiLoCoStrategy(period=10)),
@@ -122,33 +139,32 @@ RUNS: dict[str, Run] = {
     "ddp_lightning": Run("Lightning's DDPStrategy()", lambda: pl.strategies.DDPStrategy(), degree_one=False),
     # Strategies with compile or activation checkpointing (not judged against the 3% target: they change the work).
     # Checkpointing refuses networks with BatchNorm (the ResNet's row says so).
-    "tensor_compiled": Run(
-        "TensorParallelStrategy(tensor_parallel_size=1, compile=True)",
-        lambda: lp.TensorParallelStrategy(tensor_parallel_size=1, compile=True),
-        compiled=True,
-        cuda_only=True,
-        degree_one=False,
+    "tensor_compiled": compiled("TensorParallelStrategy(tensor_parallel_size=1, compile=True)", tensor(compile=True)),
+    "pipeline_compiled": compiled(
+        "PipelineParallelStrategy(pipeline_parallel_size=1, compile=True)", pipeline(compile=True)
     ),
-    "pipeline_compiled": Run(
-        "PipelineParallelStrategy(pipeline_parallel_size=1, compile=True)",
-        lambda: lp.PipelineParallelStrategy(pipeline_parallel_size=1, compile=True),
-        compiled=True,
-        cuda_only=True,
-        degree_one=False,
+    # With fused AdamW: this library's strategy against plain Lightning compiled the same way (gpu_check's mfu part)
+    "auto_compiled_fused": compiled(
+        "Lightning Trainer(strategy='auto') over torch.compile(model), AdamW(fused=True)",
+        lambda: "auto",
+        network_compiled=True,
+        fused=True,
+    ),
+    "tensor_compiled_fused": compiled(
+        "TensorParallelStrategy(tensor_parallel_size=1, compile=True), AdamW(fused=True)",
+        tensor(compile=True),
+        fused=True,
     ),
     "tensor_ckpt_full": Run(
         "TensorParallelStrategy(tensor_parallel_size=1, activation_checkpointing='full')",
-        lambda: lp.TensorParallelStrategy(tensor_parallel_size=1, activation_checkpointing="full"),
+        tensor(activation_checkpointing="full"),
         checkpointing=True,
         degree_one=False,
     ),
-    "tensor_ckpt_selective_compiled": Run(
+    "tensor_ckpt_selective_compiled": compiled(
         "TensorParallelStrategy(tensor_parallel_size=1, activation_checkpointing='selective', compile=True)",
-        lambda: lp.TensorParallelStrategy(tensor_parallel_size=1, activation_checkpointing="selective", compile=True),
-        compiled=True,
+        tensor(activation_checkpointing="selective", compile=True),
         checkpointing=True,
-        cuda_only=True,
-        degree_one=False,
     ),
 }
 
@@ -217,10 +233,10 @@ def autocast(device: str, precision: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def train_raw(run: Run, workload: Workload, device: str, precision: str, total: int, clock: StepClock) -> None:
+def train_raw(run: Run, workload: Workload, device: str, precision: str, total: int, clock: StepClock) -> Any:
     network = workload.build().to(device)
     model = torch.compile(network) if run.compiled else network
-    optimizer = torch.optim.AdamW(network.parameters(), lr=LR)
+    optimizer = run.optimizer(network.parameters())
     batches = workload.batches()
     for i in range(total):
         x, y = (t.to(device, non_blocking=device != "cpu") for t in batches[i % len(batches)])  # as Lightning moves
@@ -231,14 +247,17 @@ def train_raw(run: Run, workload: Workload, device: str, precision: str, total: 
         optimizer.step()
         optimizer.zero_grad()
         clock.stop(loss)
+    return optimizer
 
 
-def train_lightning(run: Run, workload: Workload, device: str, precision: str, total: int, clock: StepClock) -> None:
+def train_lightning(run: Run, workload: Workload, device: str, precision: str, total: int, clock: StepClock) -> Any:
     assert run.strategy is not None
-    task = MinimalTask(workload.build())
+    network = workload.build()
+    task = MinimalTask(torch.compile(network) if run.network_compiled else network, run.optimizer)
     trainer = bare_trainer(run.strategy(), 1, total, [ClockCallback(clock)], accelerator=device, precision=precision)
     loader = batch_loader(workload.batches(), total)
     trainer.fit(task, train_dataloaders=loader)
+    return trainer.optimizers[0]
 
 
 def peak_memory_mib(device: str) -> float:
@@ -281,10 +300,15 @@ def run_case(name: str, workload: Workload, device: str, precision: str, total: 
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)  # the same initial weights in every run
     quiet()
-    (train_raw if run.strategy is None else train_lightning)(run, workload, device, precision, total, clock)
+    torch._dynamo.reset()  # a no-op in a fresh process; where runs share one (the suite), each compiles its own
+    counters.clear()
+    optimizer = (train_raw if run.strategy is None else train_lightning)(run, workload, device, precision, total, clock)
     if len(clock.wall_s) != total:
         raise RuntimeError(f"{name} timed {len(clock.wall_s)} steps, expected {total}")
     return {
+        "compiled_graphs": counters["stats"]["unique_graphs"],  # what torch.compile built in this process (0: eager)
+        # the AdamW kernel: "fused", "foreach", or "default" (torch's choice: foreach on CUDA tensors, else a for-loop)
+        "adamw": next((k for k in ("fused", "foreach") if optimizer.defaults.get(k)), "default"),
         "wall_s": clock.wall_s,
         "cpu_s": clock.cpu_s,
         "loss": clock.loss,

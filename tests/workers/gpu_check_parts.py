@@ -2,12 +2,14 @@
 "pp2", ...], "steps"}: this rank's parity fit of each layout in turn, in the same processes and process group
 (gloo_host, staging CPU tensors as CUDA ones: benchmarks/shared_device.py writes rank<r>.json and rank<r>.pt under
 <out>/<layout>). Payload {"runs": [...], "steps"}: one process runs each one-device case of the toy GPT in turn
-(benchmarks/throughput_runs.py), "flops" included, and saves {name: result} to rank0.pt.
+(benchmarks/throughput_runs.py), "flops" included, and saves {name: result} to rank0.pt; with "compile_backend", every
+torch.compile there uses that backend (the suite's stand-in for inductor, whose C++ build takes ~20 s a graph here).
 """
 
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,6 +27,8 @@ if "layouts" in config:
         worker(out / layout, layout, "cpu", config["steps"])
     torch.save(config["layouts"], out / f"rank{dist.get_rank()}.pt")
 else:
+    if config.get("compile_backend"):
+        torch.compile = partial(torch.compile, backend=config["compile_backend"])  # type: ignore[assignment]
     gpt = WORKLOADS["toy"]["gpt_toy"]
     torch.save(
         {name: run_case(name, gpt, "cpu", "32-true", config["steps"]) for name in config["runs"]}, out / "rank0.pt"
