@@ -102,9 +102,9 @@ def test_pipeline_by_tensor_with_clipping_accumulation_bf16_and_fsdp_replicas(tm
     # Measured (2026-11-28, CPU, torch 2.13): losses 7.3e-5 and weights 6.6e-4 from one process's bf16 run. That noise
     # hides what bugs would show: one micro-batch's loss scaled by 1.01 moves one process 2.2e-4 / 4.4e-4 (the clipping
     # takes most of it) and the same run in fp32 is 7.7e-5 / 4.2e-4 away. So the bounds are 4x the gap (one micro-batch
-    # at 1.05 is 7.7e-4 away: caught, where the old 1e-3 passed it), and the Linear layers of every stage must have computed in bf16 (a stage left out
-    # of autocast was 9e-5 / 7.7e-4 from the bf16 run, inside any bound the shards' rounding allows); fp32 weights:
-    # assert_close checks the dtype.
+    # at 1.05 is 7.7e-4 away: caught, where the old 1e-3 passed it), and the Linear layers of every stage must have
+    # computed in bf16 (a stage left out of autocast was 9e-5 / 7.7e-4 from the bf16 run, inside any bound the shards'
+    # rounding allows); fp32 weights: assert_close checks the dtype.
     bf16_losses, bf16_state = reference("gpt", 16, **BF16)
     for rank in per_rank:
         gaps = [abs(a - b) for a, b in zip(rank[1]["losses"], bf16_losses, strict=True)]
