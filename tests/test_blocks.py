@@ -136,11 +136,26 @@ def test_compile_over_checkpointed_blocks_is_exact(eager: dict, tokens: tuple) -
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(eager["losses"]), rtol=0, atol=1e-6)
 
 
+@pytest.fixture(scope="module")
+def bf16_runs(tokens: tuple) -> dict[str, dict[str, Any]]:
+    """Eager and compiled (aot_eager, no checkpointing) under bf16 autocast: the references of the test below."""
+    network = tiny_gpt()
+    compile_blocks(blocks_of(network), {"backend": "aot_eager"})
+    torch._dynamo.reset()  # see below
+    return {"eager": train(tiny_gpt(), *tokens, bf16=True), "compiled": train(network, *tokens, bf16=True)}
+
+
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_under_bf16_autocast_checkpointing_is_exact_and_compile_composes(tokens: tuple, mode: str) -> None:
+def test_under_bf16_autocast_checkpointing_is_exact_and_compile_composes(
+    tokens: tuple, bf16_runs: dict, mode: str
+) -> None:
     """What GPUs run (bf16-mixed) but CPU tests did not: the recomputation replays autocast's casts exactly, and a
-    compiled checkpointed block keeps to eager bf16 within bf16's rounding."""
-    reference = train(tiny_gpt(), *tokens, bf16=True)
+    compiled checkpointed block equals the same block compiled without checkpointing, itself within bf16's rounding
+    of eager (its decompositions round differently: measured 6.5e-5 in the losses, 2.2e-4 in the weights, 2026-11-28;
+    a block left out of autocast is 1.6e-4 / 2e-4 away, so only the exact comparison catches that)."""
+    from torch._dynamo.utils import counters
+
+    reference = bf16_runs["eager"]
     network = tiny_gpt()
     checkpoint_activations(blocks_of(network), mode)
     run = train(network, *tokens, bf16=True)
@@ -152,8 +167,18 @@ def test_under_bf16_autocast_checkpointing_is_exact_and_compile_composes(tokens:
     blocks = blocks_of(network)
     checkpoint_activations(blocks, mode)
     compile_blocks(blocks, {"backend": "aot_eager"})
+    # Every compile_blocks wraps its blocks in one function of ours, and TorchDynamo compiles a function at most 8
+    # times (recompile_limit) before it runs it eagerly: after this file's other compiled networks the last ones ran
+    # eager, and the old 1e-2 bound passed them. A reset here, and the count of new graphs, keep this run compiled.
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
     compiled = train(network, *tokens, bf16=True)
-    torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=1e-2)
+    assert counters["stats"]["unique_graphs"] > graphs, "the checkpointed blocks ran eagerly"
+    assert compiled["losses"] == bf16_runs["compiled"]["losses"], mode
+    for name, value in compiled["state"].items():
+        assert torch.equal(value, bf16_runs["compiled"]["state"][name]), name
+        torch.testing.assert_close(value, reference["state"][name], rtol=0, atol=1e-3, msg=name)
+    torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=3e-4)
 
 
 def test_batchnorm_under_activation_checkpointing_is_refused_in_one_line() -> None:

@@ -1,6 +1,6 @@
 """Worker: fit a tiny network under each PipelineParallelStrategy configuration of the payload (tensor parallelism
 inside the stages, optionally replicas), then validate and predict if asked; save the losses, the metrics, the
-predictions and this rank's parameters gathered whole over "tp"."""
+predictions, this rank's parameters gathered whole over "tp" and the dtypes its Linear layers computed in training."""
 
 from __future__ import annotations
 
@@ -9,10 +9,23 @@ from common import fit_model, full_state, payload
 
 from lightning_parallel import PipelineParallelStrategy
 
+
+def record_linear_dtypes(seen: set[str]) -> torch.utils.hooks.RemovableHandle:
+    """Every training forward of a Linear layer adds its output's dtype to `seen` (bf16-mixed: bfloat16 alone)."""
+
+    def hook(module: torch.nn.Module, args: object, output: object) -> None:
+        if isinstance(module, torch.nn.Linear) and module.training and isinstance(output, torch.Tensor):
+            seen.add(str(output.dtype).removeprefix("torch."))
+
+    return torch.nn.modules.module.register_module_forward_hook(hook)
+
+
 configs, out = payload()
 results = []
 for config in configs:
     strategy = PipelineParallelStrategy(**config["strategy"], timeout=120)
+    linear_dtypes: set[str] = set()
+    recording = record_linear_dtypes(linear_dtypes)
     task, losses, trainer = fit_model(
         strategy,
         model=config["model"],
@@ -26,6 +39,7 @@ for config in configs:
         val_batches=config.get("val_batches", 0),
         **config.get("trainer", {}),
     )
+    recording.remove()
     validated = (
         trainer.validate(task, datamodule=trainer.datamodule, verbose=False) if config.get("val_batches") else []
     )
@@ -41,6 +55,7 @@ for config in configs:
             "val": {key: float(value) for key, value in (validated[0] if validated else {}).items()},
             "predictions": torch.cat(predicted) if predicted else None,
             "setup_peak": trainer.strategy.setup_peak_parameter_bytes,
+            "linear_dtypes": sorted(linear_dtypes),
         }
     )
 torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")
