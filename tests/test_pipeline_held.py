@@ -16,19 +16,21 @@ from lightning_parallel.tasks import LanguageModelTask
 
 
 def test_the_planner_counts_what_a_zero_bubble_rank_holds_as_the_dry_run_does() -> None:
-    """A small GPT at pp2 under ZBV, 4 micro-batches. Between a stage's I and W torch keeps what
-    `stage_backward_input` leaves (the graph below the weights, each weight's output gradient: 11 widths per token of
-    a GPT block), every send waits until the step ends, and each stage keeps one receive buffer per micro-batch. A
-    real 2-process gloo run of a 64-wide version held what the dry run holds within 0.2% on each rank (it held
-    -21..-31% more before the dry run followed I and W); the planner predicts each rank within 5%."""
+    """A small GPT at pp2 under the interleaved zero-bubble schedule, 8 micro-batches. Between a stage's I and W torch
+    keeps what `stage_backward_input` leaves (the graph below the weights, each weight's output gradient: 11 widths
+    per token of a GPT block), every send waits until the step ends, and each stage keeps one receive buffer per
+    micro-batch. A real 2-process gloo run of a 64-wide version held what the dry run holds within 0.2% on each rank
+    (21-31% more than the dry run before it followed I, W and the sends); the planner predicts each rank within 3%
+    (+0.4 / +1.3% here; without the dry run's I/W +5.3%, its sends +4.3%, the planner's weight gradients -6.3%, its
+    sends -6.7%, its buffers -7.0%, its uneven stages -6.3%)."""
     with torch.device("meta"):
         network = GPT(vocab_size=64, context_length=16, depth=6, width=32, heads=2)
     module = LanguageModelTask(network, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
-    strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=2, schedule="zbv", microbatches=4)
-    tokens = torch.zeros(8, 16, dtype=torch.long)
+    strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=2, schedule="interleaved_zero_bubble", microbatches=8)
+    tokens = torch.zeros(16, 16, dtype=torch.long)
     rows = lp.dry_run(module, strategy, devices=2, batch=(tokens, tokens)).rows
     for row in rows:
-        assert row.miss is not None and abs(row.miss) < 0.05, (row.role, row.measured, row.predicted)
+        assert row.miss is not None and abs(row.miss) < 0.03, (row.role, row.measured, row.predicted)
 
 
 def test_the_held_bytes_follow_the_schedules_moments() -> None:
