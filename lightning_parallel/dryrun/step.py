@@ -20,6 +20,7 @@ from lightning_parallel.dryrun.live_bytes import LiveBytes
 from lightning_parallel.one_process_ranks import local_part, outside_fake_tensors
 from lightning_parallel.parameter_kinds import then_by_kind
 from lightning_parallel.pipeline.partition import Partition
+from lightning_parallel.pipeline.runtime import clone_view_outputs
 from lightning_parallel.pipeline.schedule_plan import ScheduleSpec, rank_actions
 from lightning_parallel.pipeline.split import NetworkSplit
 from lightning_parallel.strategies.user_step import _loss_of, slice_batch, swap_attribute
@@ -114,7 +115,7 @@ def scheduled_step(
         """(inputs, the stage's output, what backward starts from): torch's `PipelineStage.fwd_cache` keeps the
         first two until the micro-batch's backward has run, the last stage's output (its logits) too, beside the
         loss the schedule keeps for that backward (`_internal_losses`)."""
-        out = stages[stage](*inputs)
+        out = clone_view_outputs(stages[stage], inputs, stages[stage](*inputs))  # as the runtime's hook copies them
         if stage != last:
             return inputs, out, out
         part = slice_batch(batch, micro * size, (micro + 1) * size, rows)
