@@ -31,6 +31,13 @@ def layout(model: list[str], strategy: str, *, pp: int = 1, tp: int = 1, dp: int
     return [*model, "strategy=pipeline", *sizes, f"strategy.pipeline_parallel_size={pp}", *fsdp]
 
 
+def schedule(name: str, *, pp: int = 4) -> list[str]:
+    """A pp-only GPT-8B row under schedule `name` with 8 micro-batches (the zero-bubble schedules keep a split
+    backward's state from I to W; the multi-stage ones hold their sends until the step ends)."""
+    sizes = [f"strategy.pipeline_parallel_size={pp}", "strategy.tensor_parallel_size=1", f"trainer.devices={pp}"]
+    return [*GPT_8B, "strategy=pipeline", *sizes, f"strategy.schedule={name}", "strategy.microbatches=8"]
+
+
 LLAMA = {  # Llama-3's published shapes
     "8B": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32},
     "70B": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64},
@@ -57,6 +64,10 @@ ROWS: dict[str, list[str]] = {  # name -> overrides (or this script's --llama ar
     "Llama-3-70B dp32 x tp8 fsdp (256 ranks)": llama("70B", tp=8, dp=32),
     "Llama-3-8B pp4 x tp2 (8 ranks)": llama("8B", tp=2, pp=4),
     "Llama-3-70B dp8 x pp4 x tp8 (256 ranks)": llama("70B", tp=8, dp=8, pp=4),
+    **{
+        f"8B pp4 {name} (4 ranks)": schedule(name)
+        for name in ("interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")
+    },
 }
 QUICK = ("8B pp4 x tp2 (8 ranks)", "8B dp2 x pp2 x tp2 fsdp (8 ranks)")
 KEYS = ("params", "grads", "optimizer", "activations", "total")

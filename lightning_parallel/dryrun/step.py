@@ -14,11 +14,13 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from lightning_parallel.dryrun.live_bytes import LiveBytes
 from lightning_parallel.one_process_ranks import local_part, outside_fake_tensors
 from lightning_parallel.parameter_kinds import then_by_kind
 from lightning_parallel.pipeline.partition import Partition
+from lightning_parallel.pipeline.runtime import clone_view_outputs
 from lightning_parallel.pipeline.schedule_plan import ScheduleSpec, rank_actions
 from lightning_parallel.pipeline.split import NetworkSplit
 from lightning_parallel.strategies.user_step import _loss_of, slice_batch, swap_attribute
@@ -109,12 +111,11 @@ def scheduled_step(
             stages, _ = stages_on_mesh(stages, None, tp_mesh, heads)
     last = len(partition.stages) - 1
 
-    def forward(stage: int, micro: int) -> tuple[tuple[torch.Tensor, ...], Any, Any]:
+    def forward(stage: int, micro: int, inputs: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any, Any]:
         """(inputs, the stage's output, what backward starts from): torch's `PipelineStage.fwd_cache` keeps the
         first two until the micro-batch's backward has run, the last stage's output (its logits) too, beside the
         loss the schedule keeps for that backward (`_internal_losses`)."""
-        inputs = tuple(_like(t, grad=stage > 0) for t in boundaries[stage])
-        out = stages[stage](*inputs)
+        out = clone_view_outputs(stages[stage], inputs, stages[stage](*inputs))  # as the runtime's hook copies them
         if stage != last:
             return inputs, out, out
         part = slice_batch(batch, micro * size, (micro + 1) * size, rows)
@@ -123,22 +124,92 @@ def scheduled_step(
             return inputs, out, _loss_of(module.training_step(part, micro))
 
     def run() -> None:
+        # each stage's receive buffers, one per micro-batch, made at the first step and kept (`PipelineStage`'s
+        # args_recv_info / grad_recv_info): the first stage's inputs are the batch's, the last stage's loss has none
+        ours = [s for s, rank in enumerate(spec.stage_to_rank(pp)) if rank == pp_rank]
+        received = {(s, m): tuple(_like(t, grad=s > 0) for t in boundaries[s])
+                    for s in ours for m in range(microbatches)}  # fmt: skip
+        gradients = {(s, m): tuple(_like(t, grad=False) for t in boundaries[s + 1])
+                     for s in ours if s < last for m in range(microbatches)}  # fmt: skip
         alive: dict[tuple[int, int], Any] = {}
+        weights: dict[tuple[int, int], Callable[[], None]] = {}  # a split backward's W, waiting
+        sent: list[torch.Tensor] = []  # held until the step ends (`ScheduleTraits.holds_sends`)
+        owner = spec.stage_to_rank(pp)
         for action in rank_actions(spec, pp=pp, microbatches=microbatches)[pp_rank]:
             key = (action.stage, action.microbatch)
+            stage, micro = key
             if action.kind == "F":
-                alive[key] = forward(*key)
-            elif action.kind in ("B", "I"):
-                _backward(*alive.pop(key))
+                alive[key] = forward(stage, micro, received[key])
+                out = _tensors(alive[key][1])
+                if stage < last and owner[stage + 1] == pp_rank:  # a V's turn: handed over, not sent
+                    received[stage + 1, micro] = tuple(t.detach().requires_grad_(t.requires_grad) for t in out)
+                elif stage < last and spec.traits.holds_sends:
+                    sent.extend(out)
+            elif action.kind == "W":
+                weights.pop(key)()
+            else:
+                inputs, output, start = alive.pop(key)
+                grads = _backward(
+                    inputs, output, start, gradients.get(key), stages[stage], weights, key, action.kind == "I"
+                )
+                if stage > 0 and owner[stage - 1] == pp_rank:
+                    gradients[stage - 1, micro] = tuple(grads)
+                elif stage > 0 and spec.traits.holds_sends:
+                    sent.extend(g for g in grads if g is not None)
 
     return run
 
 
-def _backward(inputs: tuple[torch.Tensor, ...], output: Any, start: Any) -> None:
-    """One micro-batch's backward from `start` (the loss, or the stage's output with gradients from the next stage);
-    its inputs and output stay alive until it returns, as `PipelineStage.backward_one_chunk` holds them."""
-    outs = [t for t in _tensors(start) if t.requires_grad]
-    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+def _backward(
+    inputs: tuple[Any, ...],
+    output: Any,
+    start: Any,
+    given: tuple[Any, ...] | None,
+    stage: nn.Module,
+    weights: dict[tuple[int, int], Callable[[], None]],
+    key: tuple[int, int],
+    split: bool,
+) -> list[torch.Tensor | None]:
+    """One micro-batch's backward from `start` (the loss, or the stage's output with the gradients `given` from the
+    next stage, its receive buffers); its inputs and output stay alive until it returns, as
+    `PipelineStage.backward_one_chunk` holds them. Returns the inputs' gradients (what goes to the stage before).
+    `split`: an input-gradient action (I) whose weight-gradient action (W) is left in `weights[key]`, holding what
+    torch's stage keeps for it (`backward_state`): on the first stage everything (its I does nothing, its W is the
+    whole backward), elsewhere what torch's `stage_backward_input` leaves (the graph below the weights with its saved
+    tensors, the gradients at the weights) and the inputs' gradients (`.grad` of the receive buffers)."""
+    ends = _tensors(start)
+    outs = [t for t in ends if t.requires_grad]
+    grads = None if given is None else [torch.ones_like(t) if g is None else g
+                                        for t, g in zip(ends, given, strict=True) if t.requires_grad]  # fmt: skip
+    if not split:
+        torch.autograd.backward(outs, grads or [torch.ones_like(t) for t in outs])
+        found = _input_grads(inputs)
+        for tensor in inputs:  # `stage_backward` hands the gradients on and drops them from the inputs
+            if torch.is_tensor(tensor):
+                tensor.grad = None
+        return found
+    if key[0] == 0:
+        kept = (inputs, output)
+
+        def whole() -> None:
+            torch.autograd.backward(outs, grads or [torch.ones_like(t) for t in outs])
+            kept.__len__()  # held until W, as `backward_state` holds them
+
+        weights[key] = whole
+        return [None for _ in inputs]
+    _, groups = stage_backward_input(outs, grads, list(inputs), stage.parameters())
+    held = (inputs, start, grads)
+
+    def weight() -> None:
+        stage_backward_weight(stage.parameters(), groups)
+        held.__len__()
+
+    weights[key] = weight
+    return _input_grads(inputs)
+
+
+def _input_grads(inputs: tuple[Any, ...]) -> list[torch.Tensor | None]:
+    return [t.grad if torch.is_tensor(t) else None for t in inputs]
 
 
 def boundaries_of(split: NetworkSplit, partition: Partition, example: tuple[torch.Tensor, ...], pp: int) -> list[tuple]:

@@ -40,6 +40,12 @@ class ScheduleTraits:
         return getattr(torch_schedules, self.torch_class_name)
 
     @property
+    def holds_sends(self) -> bool:
+        """Every tensor a rank sends in a step (a stage's output, its inputs' gradients) stays alive until the step
+        ends: torch's `_PipelineScheduleRuntime` (the multi-stage schedules) waits on its sends only then."""
+        return issubclass(self.torch_class, getattr(torch_schedules, "_PipelineScheduleRuntime", ()))
+
+    @property
     def default_stages_per_rank(self) -> int:
         """What the pipeline strategy runs when ``stages_per_rank`` is not given."""
         return 2 if self.multi_stage else 1

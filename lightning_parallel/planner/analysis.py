@@ -19,6 +19,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_parallel.planner.split_backward import weight_gradient_elements
 from lightning_parallel.planner.workload import Block, Workload, human_count
 from lightning_parallel.seams import dispatch_mode
 from lightning_parallel.tensor.plans import expand_plan, sharded_sizes
@@ -110,6 +111,7 @@ def _analyse_block(
         "activations": activations / batch,
         "tp_activations": tp_activations / batch,
         "output": out.numel() / batch,
+        "weight_gradients": weight_gradient_elements(block, x) / batch,
         "collectives": tuple((kind, elements / batch) for kind, elements in tracker.collectives),
     }
     return out.detach(), figures

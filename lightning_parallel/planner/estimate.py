@@ -10,13 +10,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_parallel.pipeline.balance import split_by_cost
 from lightning_parallel.planner.checkpointing import MODES as CHECKPOINTING
 from lightning_parallel.planner.checkpointing import checkpointed_kinds, kept_and_rematerialised, recompute_factor
 from lightning_parallel.planner.hardware import Hardware, precision_bytes
 from lightning_parallel.planner.layout import Estimate, Layout, check_layout
-from lightning_parallel.planner.memory import UPDATES, RankBytes, rank_memory, update_elements
+from lightning_parallel.planner.memory import UPDATES, RankBytes, rank_memory, stage_figures, update_elements
 from lightning_parallel.planner.schedule_costs import schedule_cost
 from lightning_parallel.planner.workload import Workload
 
@@ -41,6 +42,7 @@ class _Rank:
     loss: float = 0.0  # bytes per sample a loss after its blocks holds beside their activations while it runs
     block_largest: tuple[float, ...] = ()  # elements of each block's largest local parameter, in forward order
     loss_backward: float = 0.0  # bytes per sample a loss's backward holds before its input's gradient is made
+    pipeline: tuple[Any, ...] = (0.0, 0.0, 0.0, (), ())  # ``memory.stage_figures``, bytes per sample
 
 
 class CostModel:
@@ -150,7 +152,10 @@ class CostModel:
         replicas = tuple((start, size) for _, start, size in units)
         update = update_elements(self.update, sizes, params)
         blocks = (tuple(block_params), tuple(block_activations))
-        return _Rank(params, replicas, *sums, *blocks, update, loss, tuple(largest), loss_back)
+        kept_by, size = dict(zip((i for s in stages for i in split[s]), block_activations, strict=True)), self.act_bytes
+        piped = stage_figures([(b.output * size, kept_by.get(i, 0.0), b.weight_gradients * size)
+                               for i, b in enumerate(self.workload.blocks)], split, stages)  # fmt: skip
+        return _Rank(params, replicas, *sums, *blocks, update, loss, tuple(largest), loss_back, piped)
 
     # ---- one layout ------------------------------------------------------------------------------
     def estimate(self, layout: Layout, *, batch: int) -> Estimate:
@@ -172,9 +177,9 @@ class CostModel:
             )
             bubble, actions, exact = cost.bubble, cost.actions, cost.exact
             stretch = self._stretch(layout, cost.busy_ranks)
-            in_flight = tuple(zip(cost.at_first_grad, cost.with_grads, strict=True))
+            in_flight = tuple(zip(cost.at_first_grad, cost.with_grads, cost.at_peak or ((),) * layout.pp, strict=True))
         else:  # one backward, then no forward beside the gradients
-            bubble, in_flight, actions, exact, stretch = 0.0, ((1, 0),), 0, True, 1.0
+            bubble, in_flight, actions, exact, stretch = 0.0, ((1, 0, ()),), 0, True, 1.0
         time = self._time(layout, ranks, stages, micro, bubble, actions, stretch)
         per_rank = self._memories(layout, ranks, micro, in_flight)
         memory = max(per_rank, key=lambda m: m["total"])
@@ -276,21 +281,21 @@ class CostModel:
         return 3 * worst.blocks * fixed + traffic
 
     def _memories(
-        self, layout: Layout, ranks: Sequence[_Rank], micro: int, in_flight: Sequence[tuple[int, int]]
+        self, layout: Layout, ranks: Sequence[_Rank], micro: int, in_flight: Sequence[tuple[int, int, Any]]
     ) -> list[dict[str, float]]:
         """Per pipeline rank: ``memory.rank_memory`` with the schedule's in-flight counts (at its first backward,
         beside its gradients)."""
         sizes = (self.param_bytes, self.grad_bytes, self.state_bytes)
         memories = []
         for rank, figures in enumerate(ranks):
-            first, after = in_flight[min(rank, len(in_flight) - 1)]
+            first, after, at_peak = in_flight[min(rank, len(in_flight) - 1)]
             held = RankBytes(figures.block_params, figures.block_activations, figures.rematerialised,
                              [size for _, size in figures.replica_units],
                              [start for start, _ in figures.replica_units], figures.update, figures.loss,
-                             figures.block_largest, figures.loss_backward)  # fmt: skip
+                             figures.block_largest, figures.loss_backward, *figures.pipeline)  # fmt: skip
             memories.append(rank_memory(
                 held, micro=micro, shard=layout.dp if layout.dp_shard else 1, stages_per_rank=layout.stages_per_rank,
                 at_first_grad=first, with_grads=after, sizes=sizes, optimizer_states=self.optimizer_states,
-                holds_output=layout.pp > 1,
+                holds_output=layout.pp > 1, microbatches=layout.microbatches, at_peak=at_peak,
             ))  # fmt: skip
         return memories

@@ -9,6 +9,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_parallel.planner.schedule_costs import Moment
+
 # How an optimizer's step makes temporaries of state elements (torch's Adam / AdamW): "for-loop" one parameter at a time
 # (its second moment's sqrt and their quotient, beside the previous parameter's quotient, still bound: the most of
 # p_prev + 2 p over the update order; CPU's default), "foreach" the whole group at once (the sqrt of every second
@@ -40,6 +42,50 @@ class RankBytes:
     loss: float = 0.0  # bytes per sample a loss after its blocks holds beside their activations while it runs
     largest: Sequence[float] = ()  # elements of each block's largest parameter (tensor shard), in forward order
     loss_backward: float = 0.0  # bytes per sample the loss's backward holds as the last block's backward starts
+    # a pipeline rank's (``stage_figures``, ``pipeline_held``): its stages' receive buffers (inputs, output
+    # gradients) for one micro-batch, one sent stage output and one sent input gradient, per stage its activations
+    # and what a pair between its split backward's I and W keeps at its weights (``Block.weight_gradients``); bytes
+    # per sample
+    received: float = 0.0
+    sent_output: float = 0.0
+    sent_gradient: float = 0.0
+    stage_activations: Sequence[float] = ()
+    stage_weight_gradients: Sequence[float] = ()
+
+
+def stage_figures(
+    blocks: Sequence[tuple[float, float, float]], split: Sequence[Sequence[int]], stages: Sequence[int]
+) -> tuple[float, float, float, tuple[float, ...], tuple[float, ...]]:
+    """``RankBytes``' pipeline figures (bytes per sample) of a rank holding ``stages`` of ``split`` (block indices per
+    stage), from each block's (output, activations kept, weight gradients) in bytes per sample: its receive buffers
+    for one micro-batch, one sent output and one sent input gradient (means over its stages), and per stage its
+    activations and what its split backward keeps for W (none on the first stage, whose I does nothing)."""
+    outputs, activations, weight_gradients = ([figures[k] for figures in blocks] for k in range(3))
+    last = len(split) - 1
+    inputs = [outputs[split[s][0] - 1] for s in stages if s > 0 and split[s]]
+    sends = [outputs[split[s][-1]] for s in stages if s < last and split[s]]
+    mean = lambda values: sum(values) / len(values) if values else 0.0  # noqa: E731
+    acts = tuple(sum(activations[i] for i in split[s]) for s in sorted(stages))
+    weights = tuple(sum(weight_gradients[i] for i in split[s]) if s > 0 else 0.0 for s in sorted(stages))
+    return sum(inputs) + sum(sends), mean(sends), mean(inputs), acts, weights
+
+
+def pipeline_held(rank: RankBytes, *, micro: int, microbatches: int, at_peak: Sequence[Moment]) -> float:
+    """Bytes a pipeline rank holds besides what ``peak_of_step`` counts, from torch's ``PipelineStage`` and schedules:
+    one receive buffer per stage input and output gradient per micro-batch, made once and kept; and at the worst
+    moment it holds the most pairs (``ScheduleCost.at_peak``) the pairs' activations beyond as many average ones (its
+    stages' pairs are not alike), its pairs awaiting their weight-gradient action, and the tensors it sent so far
+    (the multi-stage schedules wait on their sends only as the step ends)."""
+    buffers = rank.received * micro * microbatches
+    mean = sum(rank.stage_activations) / max(1, len(rank.stage_activations))
+
+    def beyond(moment: Moment) -> float:
+        held, awaiting, outputs, gradients = moment
+        pairs = sum(n * (a - mean) for n, a in zip(held, rank.stage_activations, strict=True))
+        weights = sum(n * w for n, w in zip(awaiting, rank.stage_weight_gradients, strict=True))
+        return pairs + weights + outputs * rank.sent_output + gradients * rank.sent_gradient
+
+    return buffers + max((beyond(moment) * micro for moment in at_peak), default=0.0)
 
 
 def peak_of_step(
@@ -94,6 +140,8 @@ def rank_memory(
     sizes: tuple[int, int, int],
     optimizer_states: int,
     holds_output: bool = False,
+    microbatches: int = 1,
+    at_peak: Sequence[Moment] = (),
 ) -> dict[str, float]:
     """Bytes of one pipeline rank: parameters, gradients and optimizer state (sharded over ``shard`` FSDP2
     replicas), activations (at the step's peak: what ``peak_of_step`` adds beyond the whole gradients, and one
@@ -104,7 +152,8 @@ def rank_memory(
     step's temporaries (``rank.update``) outweigh the backward's peak, the step peaks there and "activations" are
     those temporaries (every activation freed by then, nothing gathered). ``holds_output``: a pipeline stage, whose
     output (the loss's input logits, on the last) torch's ``PipelineStage`` keeps from its forward through its
-    backward (``fwd_cache``): the loss's input is then one more of the last block's activations.
+    backward (``fwd_cache``): the loss's input is then one more of the last block's activations, and it holds
+    ``pipeline_held`` besides (``microbatches``, ``at_peak``: the schedule's).
     """
     param_bytes, grad_bytes, state_bytes = sizes
     params = sum(rank.params) / shard
@@ -137,6 +186,8 @@ def rank_memory(
     temporaries = rank.update / shard * state_bytes
     if optimizer_states and temporaries > activations + gathered:
         activations, gathered = temporaries, 0.0
+    if holds_output:
+        activations += pipeline_held(rank, micro=micro, microbatches=microbatches, at_peak=at_peak)
     memory = {
         "params": params * param_bytes,
         "grads": params * grad_bytes,

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from lightning_parallel.pipeline.schedule_plan import Timeline, rank_actions, resolve_schedule, simulate
 from lightning_parallel.pipeline.schedules import SCHEDULE_TRAITS
 
+# (pairs per stage, of which awaiting W per stage, sent outputs, sent input gradients): ``ScheduleCost.at_peak``
+Moment = tuple[tuple[int, ...], tuple[int, ...], int, int]
+
 # Up to these sizes the torch order is built and simulated (milliseconds); larger ones are extrapolated.
 EXACT_MAX_RANKS = 8
 EXACT_MAX_MICROBATCHES_PER_RANK = 4
@@ -35,6 +38,11 @@ class ScheduleCost:
         exact: Whether the figures come from simulating this very size (else extrapolated).
         busy_ranks: ``busy_ranks[j]``: the fraction of the step during which exactly ``j`` ranks compute (what
             devices that share cores run at; ``Hardware.slowdown``).
+        at_peak: Per pipeline rank, what it holds at the moments it holds the most pairs, one ``Moment`` per such
+            moment: its pairs per stage (its stages in order), of which those between their input-gradient and
+            weight-gradient actions (a split backward; not the first stage's, whose I does nothing), and the stage
+            outputs and input gradients sent to another rank so far, which the multi-stage schedules hold until the
+            step ends (``ScheduleTraits.holds_sends``).
     """
 
     bubble: float
@@ -44,6 +52,7 @@ class ScheduleCost:
     busy_ranks: tuple[float, ...] = ()
     at_first_grad: tuple[int, ...] = ()
     with_grads: tuple[int, ...] = ()
+    at_peak: tuple[tuple[Moment, ...], ...] = ()
 
 
 def valid_microbatches(name: str, pp: int, microbatches: int, stages_per_rank: int | None = None) -> bool:
@@ -101,24 +110,42 @@ def schedule_cost(name: str, *, pp: int, microbatches: int, stages_per_rank: int
 def _simulated(name: str, pp: int, microbatches: int, v: int) -> ScheduleCost:
     spec = resolve_schedule(name, pp=pp, microbatches=microbatches, stages_per_rank=v)
     actions = rank_actions(spec, pp=pp, microbatches=microbatches)
-    timeline = simulate(actions, pp=pp, num_stages=pp * v, stage_to_rank=spec.stage_to_rank(pp))
-    peaks, firsts, afters = [], [], []
-    for order in actions.values():
+    owner = spec.stage_to_rank(pp)
+    timeline = simulate(actions, pp=pp, num_stages=pp * v, stage_to_rank=owner)
+    peaks, firsts, afters, states = [], [], [], []
+    for rank, order in actions.items():
+        local = sorted({a.stage for a in order})
         held: set[tuple[int, int]] = set()
+        awaiting: set[tuple[int, int]] = set()
+        sent = [0, 0]  # stage outputs, input gradients
         peak = after = 0
         first: int | None = None
+        moments: list[Moment] = []
         for action in order:
             key = (action.stage, action.microbatch)
             if action.kind == "F":
                 held.add(key)
-                peak = max(peak, len(held))
                 after = max(after, len(held)) if first is not None else after
+                sent[0] += spec.traits.holds_sends and action.stage < pp * v - 1 and owner[action.stage + 1] != rank
             elif action.kind in ("B", "W"):  # a split backward keeps the weight-gradient inputs until W
                 first = len(held) if first is None else first
                 held.discard(key)
+                awaiting.discard(key)
+            if action.kind in ("B", "I"):
+                sent[1] += spec.traits.holds_sends and action.stage > 0 and owner[action.stage - 1] != rank
+                if action.kind == "I" and action.stage > 0:
+                    awaiting.add(key)
+            if len(held) > peak:
+                peak, moments = len(held), []
+            if len(held) == peak:
+                held_by, awaiting_by = (
+                    tuple(sum(k[0] == s for k in pairs) for s in local) for pairs in (held, awaiting)
+                )
+                moments.append((held_by, awaiting_by, sent[0], sent[1]))
         peaks.append(peak)
         firsts.append(first or peak)
         afters.append(after)
+        states.append(tuple(sorted(set(moments))))
     return ScheduleCost(
         bubble=timeline.bubble_fraction,
         in_flight=tuple(peaks),
@@ -127,6 +154,7 @@ def _simulated(name: str, pp: int, microbatches: int, v: int) -> ScheduleCost:
         busy_ranks=busy_ranks(timeline, pp),
         at_first_grad=tuple(firsts),
         with_grads=tuple(afters),
+        at_peak=tuple(states),
     )
 
 

@@ -39,6 +39,9 @@ class Block:
         tp_loss_backward: What a loss run on tensor-parallel shards (``tensor/vocab_loss.py``) holds instead, split
             across the ranks (its input's gradient made once, in place); 0 = the loss runs whole.
         output: Elements of the block's output per sample: what a pipeline boundary after it sends.
+        weight_gradients: Elements per sample of the gradients a split backward (the zero-bubble schedules') keeps
+            at the block's weights from its input-gradient action to its weight-gradient action
+            (``split_backward.py``); 0 = not known.
         collectives: Tensor-parallel collectives per forward + backward: ``(kind, elements per sample)``.
         seconds: Measured forward + backward time ``(fixed, per sample)`` on one device; None = from FLOPs.
         replica_unit: The FSDP2 unit it belongs to: adjacent blocks naming the same one are gathered together (a
@@ -64,6 +67,7 @@ class Block:
     loss_backward: float = 0.0
     tp_loss_backward: float = 0.0
     output: float = 0.0
+    weight_gradients: float = 0.0
     collectives: tuple[tuple[str, float], ...] = ()
     seconds: tuple[float, float] | None = None
     replica_unit: str = ""
