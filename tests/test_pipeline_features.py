@@ -60,6 +60,17 @@ def test_fit_validate_test_predict_and_callbacks(pipeline_runs: list[dict], tmp_
 
 
 @pytest.mark.slow
+def test_a_finished_windows_gradients_are_freed_before_the_schedule(pipeline_runs: list[dict], tmp_path: Path) -> None:
+    """One process keeps them through the next training_step (Lightning zeroes after it); the pipeline need not."""
+    ref = single("gradients_held", tmp_path)
+    assert ref["alive"] == [False, True, True, True, True, True]  # the reference holds them at every later step
+    for rank in pipeline_runs:
+        got = rank["gradients_held"]
+        assert close(got["train_loss"], ref["train_loss"], 1e-5)
+        assert got["alive"] == [False, True, False, True, False, True], got["alive"]  # window starts: freed
+
+
+@pytest.mark.slow
 def test_uneven_batches_match(pipeline_runs: list[dict], tmp_path: Path) -> None:
     ref = single("uneven_batches", tmp_path)
     for rank in pipeline_runs:
@@ -174,3 +185,29 @@ def test_summary_reports_the_microbatches_that_ran(pipeline_runs: list[dict]) ->
             else []
         )
         assert all("HINT: a batch size divisible by microbatches=4" in line for line in got["warnings"])
+
+
+def test_gradients_stay_where_a_hook_could_read_them() -> None:
+    """The last window's gradients are freed early only where nothing of the user's could see them go."""
+    import lightning.pytorch as pl
+
+    from lightning_parallel.strategies.pipeline_step import lightning_discards_gradients
+
+    class Reads(pl.Callback):
+        def on_before_zero_grad(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: object) -> None:
+            pass
+
+    class Keeps(pl.LightningModule):
+        def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+            optimizer.zero_grad(set_to_none=False)
+
+    def discards(module: pl.LightningModule, callbacks: list[pl.Callback]) -> bool:
+        module.trainer = pl.Trainer(callbacks=callbacks, logger=False, enable_checkpointing=False, barebones=True)
+        return lightning_discards_gradients(module)
+
+    assert discards(pl.LightningModule(), [])
+    assert not discards(pl.LightningModule(), [Reads()])
+    assert not discards(Keeps(), [])
+    manual = pl.LightningModule()
+    manual.automatic_optimization = False
+    assert not discards(manual, [])

@@ -132,6 +132,7 @@ class PipelineParallelStrategy(PipelinedEvaluation):
         self._runtime: PipelineRuntime | None = None
         self._parallelized = False
         self._fresh_grads: list[torch.Tensor | None] | None = None
+        self._window_done = True  # an optimizer step ended the last window (or none began): see pipeline_step
         self._local_params: list[nn.Parameter] | None = None
 
     # ---- sizes and validation (main process, before launch) -------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -48,6 +49,7 @@ class PipelinedStep(PipelineSplit):
     _step_rest: tuple[Any, ...]
     _step_kwargs: dict[str, Any]
     _fresh_grads: list[torch.Tensor | None] | None
+    _window_done: bool
     _local_params: list[nn.Parameter] | None
     _logit_counts: Counts
     _stage_logits: StageLogits | None = None  # how the last stage hands its logits on (evaluation rebuilds them)
@@ -127,6 +129,9 @@ class PipelinedStep(PipelineSplit):
         module = self.lightning_module
         assert module is not None
         network = self.network_of(module)
+        if self._window_done and lightning_discards_gradients(module):
+            take_gradients(self.local_parameters())  # the last window's: freed now, not held beside the activations
+        self._window_done = False
         batch, self._step_rest, self._step_kwargs = args[0], args[1:], kwargs
         inputs = self._network_inputs(network, capture_network_inputs(lambda: self._user_step(batch), network, module))
         rows = inputs[0].shape[0]
@@ -253,7 +258,9 @@ class PipelinedStep(PipelineSplit):
             self._average_over_replicas()
             return result
 
-        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        result = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        self._window_done = True
+        return result
 
     def _average_over_replicas(self) -> None:
         """Sum tied parameters' gradients over their stages, then all-reduce each stage's gradients across
@@ -272,6 +279,21 @@ class PipelinedStep(PipelineSplit):
     @override
     def counted_elsewhere(self) -> set[int]:
         return counted_elsewhere(self.network_of(self.module), self._tied, self.pp_rank)
+
+
+def lightning_discards_gradients(module: pl.LightningModule) -> bool:
+    """Whether Lightning sets the gradients to None right after the first `training_step` of a window, unread:
+    automatic optimization, Lightning's own `optimizer_zero_grad` and no `on_before_zero_grad` hook (module or
+    callback) that could look at them. Then the last window's gradients can go before the schedule runs (one copy of
+    the stage's gradients less at its peak) with no visible difference."""
+    trainer = module.trainer
+    hooks = [is_overridden("on_before_zero_grad", c, parent=pl.Callback) for c in trainer.callbacks]  # type: ignore[attr-defined]
+    return (
+        module.automatic_optimization
+        and not is_overridden("optimizer_zero_grad", module)
+        and not is_overridden("on_before_zero_grad", module)
+        and not any(hooks)
+    )
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ Each scenario returns plain numbers, so the test can compare the two runs value 
 from __future__ import annotations
 
 import warnings
+import weakref
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -242,6 +243,38 @@ def fallback_reported(strategy: Any, devices: int, out: Path) -> dict[str, Any]:
     }
 
 
+def gradients_held(strategy: Any, devices: int, out: Path) -> dict[str, Any]:
+    """accumulate_grad_batches=2: per micro-step, whether the gradients the last one left are still alive while
+    the network runs. Lightning discards a finished window's unread after the next training_step, so the pipeline
+    frees them before its schedule (one copy of the stage's gradients less at its peak); a window's first
+    micro-step's must stay for the second."""
+    pl.seed_everything(0, verbose=False)
+    data = SyntheticTokensDataModule(vocab_size=16, seq_len=8, num_samples=96, batch_size=16, seed=0)
+    left: list[weakref.ref] = []
+    alive: dict[int, bool] = {}
+
+    class Watch(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+            alive[batch_idx] = False
+
+        def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, i: int) -> None:
+            left[:] = [weakref.ref(p.grad) for p in module.parameters() if p.grad is not None]
+
+    recorder = RunSummary()
+    trainer = _trainer(strategy, devices, [recorder, Watch()], max_steps=3, accumulate_grad_batches=2)
+    with trainer.init_module():
+        model = GPT(**TINY_GPT)
+
+    def look(module: torch.nn.Module, args: Any) -> None:
+        if module.training and left:
+            alive[max(alive)] |= any(ref() is not None for ref in left)
+
+    for block in model.modules():
+        block.register_forward_pre_hook(look)
+    trainer.fit(LanguageModelTask(model, optimizer=SGD), datamodule=data)
+    return {"train_loss": recorder.history["train/loss"], "alive": [alive[i] for i in sorted(alive)]}
+
+
 SCENARIOS = {
     "lightning_loops": (lightning_loops, {"schedule": "1f1b", "microbatches": 4}),
     "uneven_batches": (uneven_batches, {"schedule": "1f1b", "microbatches": 4}),
@@ -251,4 +284,5 @@ SCENARIOS = {
     "deferred_batchnorm": (deferred_batchnorm, {"schedule": "1f1b", "microbatches": 4, "deferred_batchnorm": True}),
     "balanced_by_time": (balanced_by_time, {"schedule": "1f1b", "microbatches": 4, "balance": "time"}),
     "fallback_reported": (fallback_reported, {"schedule": "1f1b", "microbatches": 4}),
+    "gradients_held": (gradients_held, {"schedule": "1f1b", "microbatches": 4}),
 }
