@@ -6,6 +6,7 @@ planner can analyse (an `nn.Sequential` of named blocks, any network from one ca
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,9 +16,11 @@ from lightning_parallel.parallelize.plan import resolve_plan
 from lightning_parallel.pipeline.partition import Partition
 from lightning_parallel.planner import CostModel, Layout, Workload, workload_from_module
 from lightning_parallel.planner.call_analysis import workload_from_call
+from lightning_parallel.planner.loss_block import with_loss
 from lightning_parallel.planner.presets import hardware_preset
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
+from lightning_parallel.tensor.sharded_logits import vocab_heads
 
 
 def layout_of(strategy: MeshStrategy) -> Layout:
@@ -40,27 +43,41 @@ def layout_of(strategy: MeshStrategy) -> Layout:
 
 
 def workload_of(
-    network: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], strategy: MeshStrategy
+    network: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    strategy: MeshStrategy,
+    loss_of: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Workload | None:
     """The planner's figures for the network: an `nn.Sequential` block by block (`planner.workload_from_module`),
-    any other network from one call on its inputs (`planner.workload_from_call`, the tensor plan the strategy
-    resolves; at pp > 1 run as its trace runs and its units cut as the traced stages are, `stage_cut`); None without
-    a tensor input."""
-    if isinstance(network, nn.Sequential):
-        if not args or not torch.is_tensor(args[0]):
-            return None
-        sample = args[0].to("meta")
-        if sample.shape[0] < 2:
-            sample = sample[:1].expand(2, *sample.shape[1:])
-        return workload_from_module(copy.deepcopy(network).to("meta"), sample)
-    tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
-    if not tensors or tensors[0].dim() == 0 or tensors[0].shape[0] < 2:
-        return None
+    with `loss_of(its output)` (the user's step's loss, outside the network) on its last block (`with_loss`), any
+    other network from one call on its inputs (`planner.workload_from_call`, the tensor plan the strategy resolves;
+    at pp > 1 run as its trace runs and its units cut as the traced stages are, `stage_cut`); None without a tensor
+    input."""
     tp = strategy.dims.tp
     parallel = bool(getattr(strategy, "sequence_parallel", False))
     given = getattr(strategy, "plan", None)
-    plan = resolve_plan(network, given, tensor_parallel_size=tp, sequence_parallel=parallel)[1] if tp > 1 else {}
-    return workload_from_call(network, args, kwargs, styles=plan, traced=strategy.dims.pp > 1)
+
+    def plan() -> dict[str, str]:
+        return resolve_plan(network, given, tensor_parallel_size=tp, sequence_parallel=parallel)[1] if tp > 1 else {}
+
+    if isinstance(network, nn.Sequential):
+        if not args or not torch.is_tensor(args[0]):
+            return None
+        meta, sample = copy.deepcopy(network).to("meta"), args[0].to("meta")
+        two = sample if sample.shape[0] > 1 else sample[:1].expand(2, *sample.shape[1:])  # the analysis needs 2 rows
+        workload = workload_from_module(meta, two)
+        if loss_of is None or sample.shape[0] < 2:
+            return workload
+        with torch.no_grad():
+            output = meta(sample)
+        last = workload.blocks[-1].name
+        split = any(head == last or head.startswith(f"{last}.") for head in vocab_heads(plan()))
+        return with_loss(workload, loss_of, output, split=split)
+    tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
+    if not tensors or tensors[0].dim() == 0 or tensors[0].shape[0] < 2:
+        return None
+    return workload_from_call(network, args, kwargs, styles=plan(), traced=strategy.dims.pp > 1)
 
 
 def stage_cut(workload: Workload, partition: Partition) -> tuple[tuple[int, ...], ...] | None:
