@@ -256,3 +256,10 @@ def test_the_readme_stays_short_and_answers_the_three_journeys_first() -> None:
     first_screen = "\n".join(lines[:25])
     for page in ("#quick-start", "docs/your-model.md", "docs/clusters.md"):
         assert page in first_screen, f"README.md's first screen links no {page}"
+
+
+def test_no_page_keeps_a_merge_conflict() -> None:
+    """A merge's conflict markers once sat in docs/architecture.md for a whole session, unseen."""
+    for page in [*PAGES, ROOT / "docs" / "architecture.md"]:
+        marked = re.findall(r"^(?:<{7}|={7}|>{7})(?: |$)", page.read_text(), re.MULTILINE)
+        assert not marked, f"{page.relative_to(ROOT)}: merge conflict markers {marked}"

@@ -100,3 +100,20 @@ def test_full_backward_timer_leaves_stage_calls_alone() -> None:
     original = stage.backward_one_chunk
     StageTimer({1: Stage()}, backward=True).watch_stages([stage])
     assert stage.backward_one_chunk == original  # hooks time the backward there; no double counting
+
+
+def test_timing_the_backward_holds_no_gradient() -> None:
+    """Timing a stage's backward keeps none of its gradients: torch's multi-grad hook held each until the stage's
+    last, so autograd copied every gradient into `.grad` and both lived to the end of the stage's backward (a pp2 x
+    tp2 GPT's first rank 1.0 MB over its dry run in a real launch: benchmarks/results/dry_run_vs_launch.md)."""
+    from lightning_parallel.dryrun.live_bytes import LiveBytes
+
+    peaks = []
+    for timed in (False, True):
+        stage = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))
+        timer = StageTimer({0: stage}, backward=True) if timed else None
+        with LiveBytes(list(stage.parameters())) as live:
+            stage(torch.ones(8, 64)).sum().backward()
+        peaks.append(live.peak)
+        assert timer is None or timer.busy_s == 0.0  # hooked, not begun: nothing recorded
+    assert peaks[1] == peaks[0], peaks

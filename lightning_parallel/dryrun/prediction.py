@@ -5,6 +5,8 @@ planner can analyse (an `nn.Sequential` of named blocks, any network from one ca
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,9 +15,11 @@ from torch import nn
 from lightning_parallel.parallelize.plan import resolve_plan
 from lightning_parallel.pipeline.partition import Partition
 from lightning_parallel.planner import CostModel, Layout, Workload, workload_from_network
+from lightning_parallel.planner.loss_block import with_loss
 from lightning_parallel.planner.presets import hardware_preset
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
+from lightning_parallel.tensor.sharded_logits import vocab_heads
 
 
 def layout_of(strategy: MeshStrategy) -> Layout:
@@ -38,12 +42,17 @@ def layout_of(strategy: MeshStrategy) -> Layout:
 
 
 def workload_of(
-    network: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], strategy: MeshStrategy
+    network: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    strategy: MeshStrategy,
+    loss_of: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Workload | None:
     """The planner's figures for the network, as `strategy=auto` and `plan.py` read them
-    (`planner.workload_from_network`: an `nn.Sequential` block by block, any other network from one call on its
-    inputs with the tensor plan the strategy resolves; at pp > 1 run as its trace runs and its units cut as the
-    traced stages are, `stage_cut`); None without a tensor input (any network but an `nn.Sequential`: of 2 rows)."""
+    (`planner.workload_from_network`: an `nn.Sequential` block by block, with `loss_of(its output)`, the user's
+    step's loss outside the network, on its last block (`with_loss`); any other network from one call on its inputs
+    with the tensor plan the strategy resolves, at pp > 1 run as its trace runs and its units cut as the traced stages
+    are, `stage_cut`); None without a tensor input (any network but an `nn.Sequential`: of 2 rows)."""
     tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
     sequential = isinstance(network, nn.Sequential)
     if sequential and (not args or not torch.is_tensor(args[0]) or args[0].dim() == 0):
@@ -54,9 +63,19 @@ def workload_of(
     parallel = bool(getattr(strategy, "sequence_parallel", False))
     given = getattr(strategy, "plan", None)
     plan: dict[str, str] = {}
-    if tp > 1 and not sequential:
+    if tp > 1:
         plan = resolve_plan(network, given, tensor_parallel_size=tp, sequence_parallel=parallel)[1]
-    return workload_from_network(network, args, kwargs, styles=plan, traced=strategy.dims.pp > 1)
+    workload = workload_from_network(
+        network, args, kwargs, styles=None if sequential else plan, traced=strategy.dims.pp > 1
+    )
+    if not sequential or loss_of is None or args[0].shape[0] < 2:
+        return workload
+    meta, sample = copy.deepcopy(network).to("meta"), args[0].to("meta")
+    with torch.no_grad():
+        output = meta(sample)
+    last = workload.blocks[-1].name
+    split = any(head == last or head.startswith(f"{last}.") for head in vocab_heads(plan))
+    return with_loss(workload, loss_of, output, split=split)
 
 
 def stage_cut(workload: Workload, partition: Partition) -> tuple[tuple[int, ...], ...] | None:

@@ -6,6 +6,8 @@ its refusal are `report.py`'s.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +114,7 @@ def _prediction(
     """What the planner analysed (or why nothing), and its figures per pipeline rank (`partition`: the roles' cut)."""
     network = strategy.network_of(module)
     args, kwargs = _network_inputs(module, strategy, batch)
-    workload = workload_of(network, args, kwargs, strategy)
+    workload = workload_of(network, args, kwargs, strategy, _step_loss(module, network, batch))
     if workload is None:
         return f"none (no analysis of {type(network).__name__} here)", None
     stages = stage_cut(workload, partition) if partition is not None else None
@@ -124,6 +126,25 @@ def _prediction(
     return workload.name, predict(
         workload, strategy, batch=rows, precision=precision, hardware=hardware, stages=stages, update=update
     )
+
+
+def _step_loss(
+    module: pl.LightningModule, network: torch.nn.Module, batch: Any
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The loss the user's step computes from the network's output (the network's call answered with it)."""
+    from lightning_parallel.strategies.user_step import _loss_of, swap_attribute
+
+    if batch is None:
+        return None
+
+    def loss(output: torch.Tensor) -> torch.Tensor:
+        with ExitStack() as stack:
+            stack.enter_context(swap_attribute(network, "forward", lambda *a, **k: output))
+            for name in ("log", "log_dict"):
+                stack.enter_context(swap_attribute(module, name, lambda *a, **k: None))
+            return _loss_of(module.training_step(batch, 0))
+
+    return loss
 
 
 def _network_inputs(

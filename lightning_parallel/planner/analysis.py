@@ -113,6 +113,9 @@ def _analyse_block(
         "output": out.numel() / batch,
         "weight_gradients": weight_gradient_elements(block, x) / batch,
         "collectives": tuple((kind, elements / batch) for kind, elements in tracker.collectives),
+        # each parameter in the order an optimizer updates them: a later micro-batch's new gradient of the largest
+        # lies beside the accumulated one, and a for-loop update's temporaries follow them (`memory.py`)
+        "parameters": tuple((p.numel(), key in tracker.sharded_names()) for key, p in block.named_parameters()),
     }
     return out.detach(), figures
 
@@ -215,6 +218,11 @@ class _ShardTracker:
                     self.collectives.append((kind, float(tensor.numel())))
 
         return hook
+
+    def sharded_names(self) -> set[str]:
+        """The names (relative to the tracked root) of the parameters the plan splits."""
+        return {f"{name}.{key}" if name else key for name, style in self.styles.items()
+                for key in STYLE_TRAITS[style].sharded_parameters(self.modules[name])}  # fmt: skip
 
     def sharded_params(self) -> int:
         total = 0

@@ -153,6 +153,7 @@ class CostModel:
         update = update_elements(self.update, sizes, params)
         blocks = (tuple(block_params), tuple(block_activations))
         kept_by, size = dict(zip((i for s in stages for i in split[s]), block_activations, strict=True)), self.act_bytes
+        kept_by[len(self.workload.blocks) - 1] = kept_by.get(len(self.workload.blocks) - 1, 0.0) + loss  # its stage's
         piped = stage_figures([(b.output * size, kept_by.get(i, 0.0), b.weight_gradients * size)
                                for i, b in enumerate(self.workload.blocks)], split, stages)  # fmt: skip
         return _Rank(params, replicas, *sums, *blocks, update, loss, tuple(largest), loss_back, piped)

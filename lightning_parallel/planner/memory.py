@@ -163,8 +163,10 @@ def rank_memory(
     if holds_output and micro_acts:
         micro_acts[-1] += loss / stages_per_rank
         loss = 0.0
-    # a later micro-batch's new gradient beside the accumulated one; FSDP2 reduce-scatters each (its transients)
-    accumulating = [n * grad_bytes for n in rank.largest] if shard == 1 else []
+    # a later micro-batch's new gradient beside the accumulated one; FSDP2 reduce-scatters each (its transients); a
+    # split backward (pairs awaiting W at the peak) makes none in its I sweep: its W actions come as activations go
+    splits_backward = any(any(awaiting) for _, awaiting, _, _ in at_peak)
+    accumulating = [n * grad_bytes for n in rank.largest] if shard == 1 and not splits_backward else []
     # FSDP2 (torch's _fsdp_param_group.py), beside the unit after it's reduce-scatter input (kept until this unit's
     # post_backward): at its backward's start (last block) the all-gather output and its copy-out (2p), at its end
     # (first block) its parameters, the unit before it's all-gather output (prefetched) and its whole gradients

@@ -182,6 +182,10 @@ def gpt_workload(
         tp_outside_activations=t * v,
         loss_input=t * v,
         tp_loss_input=t * v,
+        # cross-entropy's backward: the log-softmax's gradient beside the logits' (`loss_backward.py`); the
+        # vocabulary-parallel loss makes its input's gradient once, in place
+        loss_backward=2 * t * v,
+        tp_loss_backward=t * v,
         output=t * v,
         collectives=(("all_reduce", t * w),),
     )
