@@ -167,9 +167,9 @@ def test_under_bf16_autocast_checkpointing_is_exact_and_compile_composes(
     blocks = blocks_of(network)
     checkpoint_activations(blocks, mode)
     compile_blocks(blocks, {"backend": "aot_eager"})
-    # Every compile_blocks wraps its blocks in one function of ours, and TorchDynamo compiles a function at most 8
-    # times (recompile_limit) before it runs it eagerly: after this file's other compiled networks the last ones ran
-    # eager, and the old 1e-2 bound passed them. A reset here, and the count of new graphs, keep this run compiled.
+    # TorchDynamo compiles one code object at most 8 times (recompile_limit), then runs it eagerly: when every block
+    # shared one, after this file's other compiled networks the last ones ran eager, and the old 1e-2 bound passed
+    # them (now one per block kind: test_compile_kinds.py). The reset and the count of new graphs keep this compiled.
     torch._dynamo.reset()
     graphs = counters["stats"]["unique_graphs"]
     compiled = train(network, *tokens, bf16=True)
