@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_parallel import seams
+from lightning_parallel import autograd_seams, seams
 
 
 class _Stage211Grads:  # torch 2.11 / 2.12's stage: a gradient goes back for every received input
@@ -32,7 +32,7 @@ class _Stage211Grads:  # torch 2.11 / 2.12's stage: a gradient goes back for eve
         return sent
 
     def backward_maybe_with_nosync(self, kind: str, kwargs: dict, last_backward: bool = False) -> tuple:
-        raise NotImplementedError  # a full backward's gradients are in bwd_cache already
+        raise AssertionError("the seam runs a backward only for a split backward's input pass (_Stage211Split)")
 
 
 @pytest.mark.parametrize("installed", ["2.11.0+cu130", "2.12.1+cu130", "2.13.0+cpu"])
@@ -41,7 +41,7 @@ def test_a_detached_stage_input_sends_zeros_back_on_torch_before_2_13(monkeypatc
     RoPE's cos. 2.12's cos buffer requires none (as stage 0's output), and none is received: nothing goes back."""
     monkeypatch.setattr(torch, "__version__", installed)
     stage = _Stage211Grads((torch.ones(2, 3), None), cos_requires_grad=not installed.startswith("2.12"))
-    seams.send_zero_gradients(stage)
+    autograd_seams.send_zero_gradients(stage)
     if installed.startswith("2.11"):
         sent = stage.get_bwd_send_ops(0)
         assert [float(g.sum()) for g in sent] == [6.0, 0.0] and sent[1].shape == (2, 3)
@@ -107,7 +107,7 @@ def test_a_split_backward_input_pass_differentiates_only_what_a_stage_with_detac
     for kwargs, error in ((handed_on, "does not require grad"), (used_only, "not have been used in the graph")):
         with pytest.raises(RuntimeError, match=error):
             stage.backward_maybe_with_nosync("input", kwargs)
-    seams.send_zero_gradients(stage)
+    autograd_seams.send_zero_gradients(stage)
     (want,) = torch.autograd.grad(out[1], fed[0], grad, retain_graph=True)
     for kwargs in (handed_on, used_only):
         given, _ = stage.backward_maybe_with_nosync("input", kwargs)

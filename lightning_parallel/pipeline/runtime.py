@@ -16,13 +16,13 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import OVERLAP_F_B, PipelineScheduleSingle, _PipelineScheduleRuntime
 from torch.utils import _pytree as pytree
 
+from lightning_parallel.autograd_seams import send_zero_gradients
 from lightning_parallel.pipeline.microbatches import PlansUsed, PlanUsed, plan_microbatches
 from lightning_parallel.pipeline.schedule_plan import resolve_schedule
 from lightning_parallel.pipeline.timing import StageTimer
 from lightning_parallel.seams import (
     action_order,
     forward_actions,
-    send_zero_gradients,
     shape_inference,
     skip_self_warmup,
 )

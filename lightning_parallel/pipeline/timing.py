@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_parallel.autograd_seams import when_gradients_made
 from lightning_parallel.seams import stage_backward_calls
 
 # (start_s, end_s, kind "F"/"B"/"I"/"W", stage, micro-batch); wall-clock seconds, so ranks share one clock
@@ -122,26 +123,3 @@ class StageTimer:
     def idle_fraction(self) -> float | None:
         """Share of this rank's time inside training steps spent waiting, not computing."""
         return 1.0 - self.busy_s / self.wall_s if self.wall_s > 0 else None
-
-
-def when_gradients_made(params: Sequence[torch.Tensor], done: Callable[[], Any]) -> None:
-    """Call `done()` in each backward once every parameter whose gradient it makes has it accumulated. torch's
-    `register_multi_grad_hook` keeps every incoming gradient until the last, so autograd cannot steal one into
-    `.grad` (it copies it) and both copies live to the stage's last gradient: one more copy of a stage's gradients
-    on every backward (a pp2 x tp2 GPT rank 1.0 MB of 24.9 MB over its dry run). Post-accumulate hooks hold none."""
-    from torch.autograd.graph import _get_grad_fn_or_grad_acc
-
-    nodes = [_get_grad_fn_or_grad_acc(p) for p in params]  # their AccumulateGrad nodes, kept as torch's hook keeps them
-    left: dict[int, int] = {}  # backward (graph task) -> gradients still to come
-
-    def made(_param: torch.Tensor) -> None:
-        task = torch._C._current_graph_task_id()
-        if task not in left:
-            left[task] = sum(map(torch._C._will_engine_execute_node, nodes))
-        left[task] -= 1
-        if left[task] == 0:
-            del left[task]
-            done()
-
-    for param in params:
-        param.register_post_accumulate_grad_hook(made)
