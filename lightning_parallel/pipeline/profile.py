@@ -31,8 +31,10 @@ def measure_block_costs(
 ) -> list[float]:
     """Fastest seconds of forward + backward per block, feeding each block the previous block's output.
 
-    The fastest of the repeats, not their median: on a shared machine other work only ever adds time. On CPU the
-    process's CPU time, not the wall clock: other processes' load (another rank's, another job's) does not count.
+    The fastest of the repeats, not their median: on a shared machine other work only ever adds time. On CPU CPU
+    time, not the wall clock, so other processes' load (another rank's, another job's) does not count: this thread's
+    with one intra-op thread (all of a block's work runs here; a busy thread elsewhere in the process, once 28 ms on
+    a 32 x 64 Linear, does not count either), else the process's (the intra-op threads share the work).
 
     Args:
         network: the model as an nn.Sequential of named blocks (may live on the meta device).
@@ -41,6 +43,8 @@ def measure_block_costs(
         repeats: timed repetitions per block after one warm-up.
     """
     clock = time.perf_counter if device.type == "cuda" else time.process_time
+    if device.type != "cuda" and torch.get_num_threads() == 1:
+        clock = time.thread_time
     costs = []
     x = sample.to(device)
     for block in network.children():
